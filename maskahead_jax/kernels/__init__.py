@@ -1,0 +1,2 @@
+"""Attention ops: jnp references and Pallas kernels behind one dispatch."""
+from . import reference

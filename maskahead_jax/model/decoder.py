@@ -1,0 +1,198 @@
+"""The decoder as pure functions over a params pytree, layers stacked and run with `lax.scan`.
+
+Params pytree (all linear kernels are [in, out]; each stack has a leading layer axis):
+
+    embed [V, D]; final_norm [D]; lm_head [D, V] (absent when embeddings are tied)
+    layers:      layers [0, n_dense_mlp) with a dense SwiGLU MLP
+        attn_norm [L, D], mlp_norm [L, D],
+        wq [L, D, H, Dh], wk [L, D, Hkv, Dh], wv [L, D, Hkv, Dh], wo [L, H, Dh, D],
+        bq [L, H, Dh], bk/bv [L, Hkv, Dh]        (qkv_bias)
+        q_norm [L, Dh], k_norm [L, Dh]            (qk_norm)
+        mlp {gate [L, D, F], up [L, D, F], down [L, F, D]}
+    moe_layers:  layers [n_dense_mlp, L) (LLaDA2.0): the same attention keys plus
+        moe {router [L, D, E], router_bias [L, E], experts {gate/up [L, E, D, Fe], down [L, E, Fe, D]},
+             shared {gate, up, down}}
+
+One forward (`model_step`) runs a block of T tokens at given positions against an optional
+per-layer context (cached K/V with validity), and returns the final hidden states, the
+block's own K/V per layer (after RoPE, ready to append to a cache) and, when asked, the
+step-0 statistics of every layer (prefix-only mass and value-aware score over the context).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from ..config import ModelConfig
+from ..kernels import reference as ref
+from .layers import apply_rope, rms_norm, rope_tables, swiglu
+from .moe import moe_mlp
+
+
+class Context(NamedTuple):
+    """Keys/values a block reads besides itself, for a contiguous range of layers.
+
+    k, v [Lr, B, Hkv, S, D] (post-RoPE); valid [Lr, B, Hkv, S] bool.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    valid: jax.Array
+
+
+class Segment(NamedTuple):
+    """Layers [start, stop) read `ctx` (None: only the block itself)."""
+
+    start: int
+    stop: int
+    ctx: Optional[Context]
+
+
+class StepOutput(NamedTuple):
+    hidden: jax.Array  # [B, T, D] after the final norm
+    k: jax.Array  # [L, B, Hkv, T, Dh] the block's keys (post-RoPE)
+    v: jax.Array  # [L, B, Hkv, T, Dh]
+    mass: Optional[jax.Array]  # [L, B, Hkv, S] when stats were requested
+    score: Optional[jax.Array]  # [L, B, Hkv, S]
+
+
+def _attention_block(p, x, cos, sin, cfg: ModelConfig, ctx, blk_mask, stat_rows):
+    b, t, _ = x.shape
+    h = rms_norm(x, p["attn_norm"], cfg.rms_eps)
+    q = jnp.einsum("btd,dhk->bthk", h, p["wq"])
+    k = jnp.einsum("btd,dhk->bthk", h, p["wk"])
+    v = jnp.einsum("btd,dhk->bthk", h, p["wv"])
+    if cfg.qkv_bias:
+        q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+    if cfg.qk_norm:
+        q = rms_norm(q, p["q_norm"], cfg.rms_eps)
+        k = rms_norm(k, p["k_norm"], cfg.rms_eps)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    hk, g = cfg.num_kv_heads, cfg.group_size
+    qg = q.reshape(b, t, hk, g, cfg.head_dim).transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
+    kb, vb = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, Hkv, T, D]
+    if ctx is None:
+        out, stats = ref.attention(qg, None, None, None, kb, vb, blk_mask)
+    else:
+        kc, vc, valid = ctx
+        out, stats = ref.attention(qg, kc, vc, valid, kb, vb, blk_mask, stat_rows)
+    out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, cfg.num_heads, cfg.head_dim)
+    x = x + jnp.einsum("bthk,hkd->btd", out, p["wo"])
+    return x, kb, vb, stats
+
+
+def _layer(cfg: ModelConfig, moe: bool, with_stats: bool):
+    def body(carry, xs):
+        x, cos, sin, blk_mask, stat_rows = carry
+        p, ctx = xs
+        x, kb, vb, stats = _attention_block(p, x, cos, sin, cfg, ctx, blk_mask,
+                                            stat_rows if with_stats else None)
+        h = rms_norm(x, p["mlp_norm"], cfg.rms_eps)
+        x = x + (moe_mlp(p["moe"], h, cfg) if moe else swiglu(p["mlp"], h))
+        ys = (kb, vb) + ((stats.mass, stats.score) if with_stats else ())
+        return (x, cos, sin, blk_mask, stat_rows), ys
+
+    return body
+
+
+def _slice(tree, a, b):
+    return jax.tree_util.tree_map(lambda x: x[a:b], tree)
+
+
+def _pieces(cfg: ModelConfig, segments: Sequence[Segment]):
+    """Split the segments further at the dense-MLP / MoE stack boundary."""
+    nd = cfg.num_dense_mlp_layers
+    for s in segments:
+        cuts = sorted({s.start, s.stop} | ({nd} if s.start < nd < s.stop else set()))
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            yield a, b, s
+
+
+def run_layers(params, cfg: ModelConfig, x, positions, blk_mask, segments: Sequence[Segment],
+               stat_rows: Optional[jax.Array] = None) -> StepOutput:
+    """Run every layer over the block x [B, T, D]; segments cover [0, L) in order."""
+    if segments[0].start != 0 or segments[-1].stop != cfg.num_layers or any(
+            a.stop != b.start for a, b in zip(segments[:-1], segments[1:])):
+        raise ValueError(f"segments must tile [0, {cfg.num_layers}) in order: {segments}")
+    cos, sin = rope_tables(positions, cfg.rope_dim, cfg.rope_theta)
+    nd = cfg.num_dense_mlp_layers
+    with_stats = stat_rows is not None
+    if stat_rows is None:
+        stat_rows = jnp.zeros(x.shape[:2], bool)
+    ks, vs, ms, ss = [], [], [], []
+    for a, b, seg in _pieces(cfg, segments):
+        moe = a >= nd
+        stack = params["moe_layers"] if moe else params["layers"]
+        off = nd if moe else 0
+        p = _slice(stack, a - off, b - off)
+        ctx = None if seg.ctx is None else Context(*_slice(tuple(seg.ctx), a - seg.start, b - seg.start))
+        seg_stats = with_stats and ctx is not None
+        body = _layer(cfg, moe, seg_stats)
+        (x, *_), ys = jax.lax.scan(body, (x, cos, sin, blk_mask, stat_rows), (p, ctx))
+        ks.append(ys[0])
+        vs.append(ys[1])
+        if with_stats:
+            if seg_stats:
+                ms.append(ys[2])
+                ss.append(ys[3])
+            else:
+                raise ValueError("statistics need a context in every segment")
+    h = rms_norm(x, params["final_norm"], cfg.rms_eps)
+    cat = lambda xs: xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=0)
+    if with_stats:
+        return StepOutput(h, cat(ks), cat(vs), cat(ms), cat(ss))
+    return StepOutput(h, cat(ks), cat(vs), None, None)
+
+
+def embed(params, tokens: jax.Array) -> jax.Array:
+    return params["embed"][tokens]
+
+
+def lm_head(params, cfg: ModelConfig, h: jax.Array) -> jax.Array:
+    """Logits in float32."""
+    w = params["lm_head"] if "lm_head" in params else params["embed"].T
+    return jnp.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32)
+
+
+def model_step(params, cfg: ModelConfig, tokens, positions, blk_mask, segments,
+               stat_rows=None) -> StepOutput:
+    """Embed tokens [B, T] at positions [B, T] and run all layers (see run_layers)."""
+    return run_layers(params, cfg, embed(params, tokens), positions, blk_mask, segments, stat_rows)
+
+
+def block_causal_mask(positions: jax.Array, block_size: int) -> jax.Array:
+    """[B, T, T]: query may read key iff block(key) <= block(query) (absolute positions)."""
+    bq = positions[:, :, None] // block_size
+    bk = positions[:, None, :] // block_size
+    return bk <= bq
+
+
+def full_mask(positions: jax.Array, attention: str, block_size: int,
+              key_valid: Optional[jax.Array] = None) -> jax.Array:
+    if attention == "bidirectional":
+        m = jnp.ones(positions.shape + positions.shape[-1:], bool)
+    elif attention == "block_causal":
+        m = block_causal_mask(positions, block_size)
+    else:
+        raise ValueError(f"attention must be 'bidirectional' or 'block_causal', got {attention!r}")
+    if key_valid is not None:
+        m = m & key_valid[:, None, :]
+    return m
+
+
+def forward_hidden(params, cfg: ModelConfig, tokens, positions=None, attention=None,
+                   mask=None) -> jax.Array:
+    """Uncached forward, final hidden states [B, T, D]. `mask` [B, T, T] overrides `attention`."""
+    b, t = tokens.shape
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    if mask is None:
+        mask = full_mask(positions, attention or cfg.attention, cfg.block_size)
+    return model_step(params, cfg, tokens, positions, mask, [Segment(0, cfg.num_layers, None)]).hidden
+
+
+def forward_logits(params, cfg: ModelConfig, tokens, positions=None, attention=None, mask=None):
+    """Uncached forward, float32 logits [B, T, V] (unshifted: position i's own output)."""
+    return lm_head(params, cfg, forward_hidden(params, cfg, tokens, positions, attention, mask))
