@@ -1,0 +1,192 @@
+"""HF folder / converted orbax folder -> `Model`; `convert` and the `maskahead convert` CLI.
+
+A converted folder holds `config.json` (and the tokenizer files) copied from the source,
+`params/` (an orbax StandardCheckpointer save of the params pytree) and `maskahead.json`
+(format marker + stored dtype).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from maskahead_jax.api import Model
+from maskahead_jax.config import ConfigError, ModelConfig
+from maskahead_jax.model import param_shapes
+
+from .keymaps import IGNORED, build_plan, convert_tensor
+from .tensors import CheckpointError, open_tensors, weight_files
+
+MARKER = "maskahead.json"
+PARAMS_DIR = "params"
+FORMAT = "maskahead-orbax"
+
+
+def _np_dtype(dtype) -> Optional[np.dtype]:
+    return None if dtype is None else np.dtype(jnp.dtype(dtype))
+
+
+def read_config(path: str) -> ModelConfig:
+    """The ModelConfig of an HF or converted folder, with errors that name the folder."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"no such checkpoint folder: {path}")
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.exists(cfg_path):
+        raise CheckpointError(f"{path} has no config.json (expected an HF model folder or a folder "
+                              "written by `maskahead convert`)")
+    try:
+        with open(cfg_path) as f:
+            hf = json.load(f)
+        return ModelConfig.from_hf(hf)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_path} is not valid JSON: {e}") from None
+    except (ConfigError, TypeError) as e:
+        raise CheckpointError(f"{cfg_path}: {e}") from e
+
+
+def _first(names: list[str], n: int = 5) -> str:
+    return ", ".join(names[:n]) + (f" (+{len(names) - n} more)" if len(names) > n else "")
+
+
+def load_hf_params(path: str, cfg: ModelConfig, dtype=None, progress: bool = False) -> dict:
+    """Read, validate and convert an HF checkpoint folder into the params pytree.
+
+    Every expected key must be present with the expected shape and no unknown key may be
+    left over; this is checked from the file headers before any tensor data is read. Tensors
+    are then streamed one at a time into preallocated host buffers and moved to the device
+    leaf by leaf, so peak host memory stays near one copy of the model.
+    dtype=None keeps the checkpoint's storage dtype (that of the embedding).
+    """
+    tensors = open_tensors(path)
+    plan, optional = build_plan(cfg)
+    missing = [k for k in plan if k not in tensors]
+    if missing:
+        detail = [f"{k} (expected shape {plan[k].hf_shape})" for k in missing]
+        raise CheckpointError(f"missing key(s) for {cfg.family} ({cfg.layout} layout) in {path}: "
+                              f"{_first(detail)}")
+    extra = sorted(k for k in tensors if k not in plan and k not in optional and not IGNORED.match(k))
+    if extra:
+        raise CheckpointError(f"unexpected key(s) in {path}, not part of the {cfg.layout} layout for "
+                              f"this config: {_first(extra)}")
+    for k, e in plan.items():
+        if tensors[k].shape != e.hf_shape:
+            raise CheckpointError(f"wrong shape for {k} in {tensors[k].file}: expected {e.hf_shape}, "
+                                  f"found {tensors[k].shape}")
+    embed_key = next(k for k, e in plan.items() if e.slots[0].path == ("embed",))
+    dt = _np_dtype(dtype) or tensors[embed_key].load().dtype
+    if not np.issubdtype(dt, np.floating):
+        dt = np.dtype(np.float32)
+
+    shapes = param_shapes(cfg)
+    bufs: dict[tuple[str, ...], np.ndarray] = {}
+    for kp, shp in jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))[0]:
+        bufs[tuple(p.key for p in kp)] = np.empty(shp, dt)
+    order = sorted(plan, key=lambda k: (tensors[k].file, k))
+    for k in tqdm(order, desc=f"converting {os.path.basename(os.path.normpath(path))}",
+                  disable=not progress, unit="tensor"):
+        e = plan[k]
+        for slot, arr in zip(e.slots, convert_tensor(e, tensors[k].load())):
+            bufs[slot.path][slot.index] = arr
+
+    def to_device(tree, prefix=()):
+        out = {}
+        for name, sub in tree.items():
+            p = prefix + (name,)
+            out[name] = to_device(sub, p) if isinstance(sub, dict) else jnp.asarray(bufs.pop(p))
+        return out
+
+    return to_device(shapes)
+
+
+# ------------------------------------------------------------------ orbax
+
+
+def is_converted(path: str) -> bool:
+    return os.path.exists(os.path.join(path, MARKER))
+
+
+def save_orbax(params: Any, path: str) -> None:
+    """Save the params pytree to `path` (an orbax StandardCheckpointer directory)."""
+    import orbax.checkpoint as ocp
+
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(os.path.abspath(path), params)
+    ckptr.wait_until_finished()
+
+
+def restore_orbax(path: str, cfg: ModelConfig, dtype) -> dict:
+    """Restore a params pytree saved by `save_orbax`, stored as `dtype`."""
+    import orbax.checkpoint as ocp
+
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s, dtype, sharding=sharding),
+                                    param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+    try:
+        return ocp.StandardCheckpointer().restore(os.path.abspath(path), target)
+    except (ValueError, KeyError, FileNotFoundError) as e:
+        raise CheckpointError(f"cannot restore converted params from {path}: {e}") from e
+
+
+def load_model(path: str, dtype=None, progress: bool = False) -> Model:
+    """Load an HF folder (safetensors / torch .bin) or a folder written by `convert`."""
+    cfg = read_config(path)
+    if is_converted(path):
+        with open(os.path.join(path, MARKER)) as f:
+            stored = np.dtype(jnp.dtype(json.load(f)["dtype"]))
+        params = restore_orbax(os.path.join(path, PARAMS_DIR), cfg, stored)
+        model = Model(cfg, params)
+        dt = _np_dtype(dtype)
+        return model if dt is None or dt == stored else model.astype(dt)
+    return Model(cfg, load_hf_params(path, cfg, dtype=dtype, progress=progress))
+
+
+def convert(src: str, dst: str, dtype=None, progress: bool = True, overwrite: bool = False) -> str:
+    """Convert `src` (HF or converted folder) into an orbax folder at `dst`; returns `dst`.
+
+    The non-weight files of `src` (config.json, tokenizer, generation config) are copied along.
+    """
+    if os.path.exists(dst) and os.listdir(dst):
+        if not overwrite:
+            raise CheckpointError(f"destination {dst} exists and is not empty (use overwrite / --force)")
+        shutil.rmtree(dst)
+    model = load_model(src, dtype=dtype, progress=progress)
+    os.makedirs(dst, exist_ok=True)
+    skip = {os.path.basename(f) for f in weight_files(src)} | {
+        "model.safetensors.index.json", "pytorch_model.bin.index.json", MARKER}
+    for name in os.listdir(src):
+        full = os.path.join(src, name)
+        if os.path.isfile(full) and name not in skip:
+            shutil.copy2(full, os.path.join(dst, name))
+    save_orbax(model.params, os.path.join(dst, PARAMS_DIR))
+    leaf = jax.tree_util.tree_leaves(model.params)[0]
+    with open(os.path.join(dst, MARKER), "w") as f:
+        json.dump({"format": FORMAT, "version": 1, "dtype": str(leaf.dtype),
+                   "family": model.config.family, "layout": model.config.layout}, f, indent=1)
+    return dst
+
+
+def cli_convert(argv: Optional[Sequence[str]] = None) -> int:
+    """`maskahead convert SRC DST [--dtype bfloat16] [--force]`; returns the exit status."""
+    ap = argparse.ArgumentParser(prog="maskahead convert",
+                                 description="Convert an HF checkpoint folder to a maskahead orbax folder.")
+    ap.add_argument("src", help="HF folder (config.json + *.safetensors or pytorch_model*.bin)")
+    ap.add_argument("dst", help="output folder")
+    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                    help="parameter dtype (default: the checkpoint's)")
+    ap.add_argument("--force", action="store_true", help="overwrite a non-empty DST")
+    args = ap.parse_args(argv)
+    try:
+        out = convert(args.src, args.dst, dtype=args.dtype, overwrite=args.force)
+    except (CheckpointError, FileNotFoundError) as e:
+        print(f"maskahead convert: error: {e}", file=sys.stderr)
+        return 1
+    print(f"converted {args.src} -> {out}")
+    return 0
