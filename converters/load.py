@@ -81,8 +81,10 @@ def load_hf_params(path: str, cfg: ModelConfig, dtype=None, progress: bool = Fal
             raise CheckpointError(f"wrong shape for {k} in {tensors[k].file}: expected {e.hf_shape}, "
                                   f"found {tensors[k].shape}")
     embed_key = next(k for k, e in plan.items() if e.slots[0].path == ("embed",))
-    dt = _np_dtype(dtype) or tensors[embed_key].load().dtype
-    if not np.issubdtype(dt, np.floating):
+    dt = _np_dtype(dtype)
+    if dt is None:
+        dt = tensors[embed_key].load().dtype
+    if not jnp.issubdtype(dt, jnp.floating):
         dt = np.dtype(np.float32)
 
     shapes = param_shapes(cfg)

@@ -205,9 +205,14 @@ def llada2_state_dict(model: torch.nn.Module, cfg) -> dict[str, torch.Tensor]:
     return out
 
 
-def llada2(path: str, seed: int = 0, fmt: str = "safetensors", **overrides) -> Case:
+def llada2(path: str, seed: int = 0, fmt: str = "safetensors", static_routing: bool = False,
+           **overrides) -> Case:
     """LLaDA2.0-mini layout from Glm4Moe: sigmoid group-limited routing with bias, shared expert,
-    partial RoPE (factor 0.5), q/k norm, first layer dense."""
+    partial RoPE (factor 0.5), q/k norm, first layer dense.
+
+    static_routing: expert biases 2 apart (scores lie in (0, 1)), so the selection no longer depends
+    on the input and low-precision runs cannot flip a near-tied expert choice; the combine weights
+    still come from the input-dependent scores."""
     from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
 
     kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=FFN, moe_intermediate_size=16,
@@ -220,6 +225,12 @@ def llada2(path: str, seed: int = 0, fmt: str = "safetensors", **overrides) -> C
     kw.update(overrides)
     cfg = Glm4MoeConfig(**kw)
     model = randomize_(Glm4MoeForCausalLM(cfg), seed)
+    if static_routing:
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for layer in model.model.layers[cfg.first_k_dense_replace:]:
+                perm = torch.randperm(cfg.n_routed_experts, generator=g).float()
+                layer.mlp.gate.e_score_correction_bias.copy_(2.0 * perm)
     config = {"model_type": "llada2_moe", "architectures": ["LLaDA2MoeModelLM"],
               "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
               "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_hidden_layers,

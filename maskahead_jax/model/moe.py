@@ -29,7 +29,7 @@ def route(p: dict, x: jax.Array, cfg: ModelConfig):
         biased = jnp.where(jnp.repeat(gmask, per, axis=1), biased, -jnp.inf)
     _, idx = jax.lax.top_k(biased, cfg.num_experts_per_tok)
     w = jnp.take_along_axis(scores, idx, axis=1)
-    if cfg.norm_topk_prob:
+    if cfg.num_experts_per_tok > 1:  # as LLaDA2's gate: normalise iff top-k > 1 (norm_topk_prob unread)
         w = w / (w.sum(-1, keepdims=True) + 1e-20)
     return idx.astype(jnp.int32), w * cfg.routed_scaling_factor
 
@@ -51,8 +51,11 @@ def moe_mlp(p: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     h = jax.nn.silu(jax.lax.ragged_dot(xs, ex["gate"], group_sizes)) * jax.lax.ragged_dot(
         xs, ex["up"], group_sizes)
     ys = jax.lax.ragged_dot(h.astype(x.dtype), ex["down"], group_sizes)  # [N*k, D]
-    ws = w.reshape(-1)[order].astype(ys.dtype)
-    out = jnp.zeros((n, d), ys.dtype).at[tok].add(ys * ws[:, None])
+    ws = w.reshape(-1)[order]  # float32
+    # LLaDA2 moe_infer: weighted sum over the k experts in float32, cast to the model dtype,
+    # then the shared expert is added in the model dtype.
+    out = jnp.zeros((n, d), jnp.float32).at[tok].add(ys.astype(jnp.float32) * ws[:, None])
+    out = out.astype(x.dtype)
     if "shared" in p:
         out = out + swiglu(p["shared"], xf)
     return out.reshape(b, t, d).astype(x.dtype)
