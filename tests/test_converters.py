@@ -1,0 +1,283 @@
+"""Converters: key maps against the real checkpoints' names and shapes, every file format
+(safetensors, sharded safetensors with index, torch .bin), tied embeddings, the orbax round trip
+through `convert` / `load_pretrained`, and clear errors for bad checkpoints."""
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import hf_fixtures as hf  # noqa: E402
+import maskahead_jax as mj  # noqa: E402
+from converters import CheckpointError, build_plan, cli_convert, is_converted, open_tensors  # noqa: E402
+from maskahead_jax.config import ModelConfig  # noqa: E402
+from maskahead_jax.model import param_shapes  # noqa: E402
+
+# ------------------------------------------------------------------ key maps (no weights needed)
+
+FAST_DLLM_7B = {"model_type": "Fast_dLLM_Qwen", "hidden_size": 3584, "num_hidden_layers": 28,
+                "num_attention_heads": 28, "num_key_value_heads": 4, "intermediate_size": 18944,
+                "vocab_size": 152064, "rms_norm_eps": 1e-6, "rope_theta": 1e6, "tie_word_embeddings": False}
+SDAR_8B = {"model_type": "sdar", "hidden_size": 4096, "num_hidden_layers": 36, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 12288, "vocab_size": 151936,
+           "tie_word_embeddings": False}
+LLADA_8B = {"model_type": "llada", "d_model": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 32,
+            "mlp_hidden_size": 12288, "embedding_size": 126464, "vocab_size": 126464, "block_type": "llama",
+            "include_qkv_bias": False, "weight_tying": False, "rope_theta": 500000.0}
+LLADA2_MINI = {"model_type": "llada2_moe", "hidden_size": 2048, "num_hidden_layers": 20,
+               "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 157184,
+               "intermediate_size": 5120, "moe_intermediate_size": 512, "num_experts": 256,
+               "num_experts_per_tok": 8, "num_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 8,
+               "topk_group": 4, "routed_scaling_factor": 2.5, "partial_rotary_factor": 0.5,
+               "use_qkv_bias": False, "use_qk_norm": True, "tie_word_embeddings": False}
+
+
+def _hf_shapes(hf_cfg: dict) -> dict:
+    plan, _ = build_plan(ModelConfig.from_hf(hf_cfg))
+    return {k: e.hf_shape for k, e in plan.items()}
+
+
+def test_plan_fast_dllm_v2_7b():
+    s = _hf_shapes(FAST_DLLM_7B)
+    assert len(s) == 3 + 28 * 12
+    assert s["model.layers.27.self_attn.q_proj.weight"] == (3584, 3584)
+    assert s["model.layers.0.self_attn.k_proj.bias"] == (512,)
+    assert s["model.layers.3.mlp.down_proj.weight"] == (3584, 18944)
+    assert s["lm_head.weight"] == (152064, 3584)
+
+
+def test_plan_sdar_8b():
+    s = _hf_shapes(SDAR_8B)
+    assert len(s) == 3 + 36 * 11
+    assert s["model.layers.0.self_attn.q_norm.weight"] == (128,)
+    assert s["model.layers.0.self_attn.k_proj.weight"] == (1024, 4096)
+    assert "model.layers.0.self_attn.q_proj.bias" not in s
+
+
+def test_plan_llada_8b():
+    s = _hf_shapes(LLADA_8B)
+    assert len(s) == 3 + 32 * 9
+    assert s["model.transformer.blocks.31.ff_proj.weight"] == (12288, 4096)
+    assert s["model.transformer.blocks.0.ff_out.weight"] == (4096, 12288)
+    assert s["model.transformer.ff_out.weight"] == (126464, 4096)  # the LM head, not an MLP
+    assert s["model.transformer.wte.weight"] == (126464, 4096)
+
+
+def test_plan_llada2_mini_covers_every_slot_once():
+    cfg = ModelConfig.from_hf(LLADA2_MINI)
+    plan, _ = build_plan(cfg)
+    s = {k: e.hf_shape for k, e in plan.items()}
+    assert len(s) == 3 + 9 + 19 * (6 + 2 + 256 * 3 + 3)
+    assert s["model.layers.1.attention.query_key_value.weight"] == (3072, 2048)
+    assert s["model.layers.0.mlp.gate_proj.weight"] == (5120, 2048)
+    assert s["model.layers.19.mlp.gate.weight"] == (256, 2048)
+    assert s["model.layers.19.mlp.gate.expert_bias"] == (256,)
+    assert s["model.layers.5.mlp.experts.255.down_proj.weight"] == (2048, 512)
+    assert s["model.layers.5.mlp.shared_experts.up_proj.weight"] == (512, 2048)
+    assert "model.layers.1.mlp.gate_proj.weight" not in s and "model.layers.0.mlp.gate.weight" not in s
+    seen: dict[tuple, set] = {}
+    for e in plan.values():
+        for slot in e.slots:
+            assert slot.index not in seen.setdefault(slot.path, set())
+            seen[slot.path].add(slot.index)
+    leaves = jax.tree_util.tree_flatten_with_path(param_shapes(cfg),
+                                                  is_leaf=lambda x: isinstance(x, tuple))[0]
+    for kp, shape in leaves:
+        path = tuple(p.key for p in kp)
+        lead = 2 if path[:3] == ("moe_layers", "moe", "experts") else (1 if path[0].endswith("layers") else 0)
+        assert len(seen[path]) == int(np.prod(shape[:lead])), path
+
+
+def test_fused_qkv_split_by_heads():
+    """LLaDA2's fused rows are [Q heads | K heads | V heads], each head Dh rows."""
+    from converters.keymaps import convert_tensor
+
+    cfg = ModelConfig.from_hf({**LLADA2_MINI, "hidden_size": 6, "num_attention_heads": 2,
+                               "num_key_value_heads": 1, "head_dim": 4, "num_hidden_layers": 1,
+                               "num_experts": 0})
+    plan, _ = build_plan(cfg)
+    e = plan["model.layers.0.attention.query_key_value.weight"]
+    assert e.hf_shape == (16, 6)
+    x = np.arange(16 * 6, dtype=np.float32).reshape(16, 6)
+    wq, wk, wv = convert_tensor(e, x)
+    assert (wq.shape, wk.shape, wv.shape) == ((6, 2, 4), (6, 1, 4), (6, 1, 4))
+    np.testing.assert_array_equal(wq[:, 1, 2], x[6])  # head 1, dim 2 -> row 1 * 4 + 2
+    np.testing.assert_array_equal(wk[:, 0, 0], x[8])
+    np.testing.assert_array_equal(wv[:, 0, 3], x[15])
+
+
+# ------------------------------------------------------------------ file formats + parity
+
+
+def _assert_parity(case, kind="bidirectional", tol=1e-4):
+    toks = np.random.default_rng(3).integers(0, hf.VOCAB, (1, 8))
+    m = mj.load_pretrained(case.path, dtype="float32")
+    m = mj.Model(m.config.replace(block_size=hf.BLOCK), m.params)
+    got = np.asarray(mj.forward(m, toks, attention=kind))
+    assert np.abs(got - hf.torch_logits(case.model, toks, kind)).max() <= tol
+    return m
+
+
+def test_torch_bin_checkpoint(tmp_path):
+    case = hf.llada(str(tmp_path), seed=11, fmt="bin")
+    assert os.listdir(tmp_path) and "pytorch_model.bin" in os.listdir(tmp_path)
+    _assert_parity(case, "block_causal")
+
+
+def test_sharded_safetensors_with_index(tmp_path):
+    case = hf.llada2(str(tmp_path / "m"), seed=12, fmt="sharded", num_hidden_layers=2)
+    assert len({r.file for r in open_tensors(case.path).values()}) == 2
+    _assert_parity(case)
+    os.remove(os.path.join(case.path, "model-00002-of-00002.safetensors"))
+    with pytest.raises(CheckpointError, match=r"lists shard\(s\) not in .*model-00002-of-00002"):
+        mj.load_pretrained(case.path)
+
+
+def test_tied_embeddings_without_lm_head(tmp_path):
+    case = hf.qwen2(str(tmp_path), seed=13, tie=True)
+    assert "lm_head.weight" not in open_tensors(case.path)
+    m = _assert_parity(case)
+    assert m.config.tie_embeddings and "lm_head" not in m.params
+
+
+def test_tied_embeddings_with_a_stored_head_copy(tmp_path):
+    case = hf.qwen2(str(tmp_path / "src"), seed=13, tie=True)
+    sd = dict(case.model.state_dict())
+    assert "lm_head.weight" in sd
+    with open(os.path.join(case.path, "config.json")) as f:
+        cfg = json.load(f)
+    hf.write_checkpoint(str(tmp_path / "dst"), sd, cfg)
+    assert "lm_head" not in mj.load_pretrained(str(tmp_path / "dst")).params
+
+
+def test_dtype_none_keeps_checkpoint_dtype(tmp_path):
+    case = hf.qwen3(str(tmp_path / "src"), seed=14)
+    sd = {k: v.to(torch.bfloat16) for k, v in case.model.state_dict().items()}
+    with open(os.path.join(case.path, "config.json")) as f:
+        cfg = json.load(f)
+    hf.write_checkpoint(str(tmp_path / "bf16"), sd, cfg)
+    m = mj.load_pretrained(str(tmp_path / "bf16"))
+    assert {str(a.dtype) for a in jax.tree_util.tree_leaves(m.params)} == {"bfloat16"}
+    want = sd["model.layers.1.self_attn.q_proj.weight"].float().numpy().T.reshape(32, 4, 8)
+    np.testing.assert_array_equal(np.asarray(m.params["layers"]["wq"][1], np.float32), want)
+
+
+def test_orbax_round_trip_via_convert_cli(tmp_path, capsys):
+    case = hf.qwen3(str(tmp_path / "hf"), seed=15)
+    dst = str(tmp_path / "converted")
+    assert cli_convert([case.path, dst, "--dtype", "bfloat16"]) == 0
+    assert is_converted(dst)
+    files = os.listdir(dst)
+    assert "config.json" in files and "generation_config.json" in files
+    assert not [f for f in files if f.endswith(".safetensors")]
+    a = mj.load_pretrained(dst)
+    b = mj.load_pretrained(case.path, dtype="bfloat16")
+    assert a.config == b.config
+    for x, y in zip(jax.tree_util.tree_leaves(a.params), jax.tree_util.tree_leaves(b.params)):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+    assert jax.tree_util.tree_structure(a.params) == jax.tree_util.tree_structure(b.params)
+    toks = np.arange(8)[None] % hf.VOCAB
+    np.testing.assert_array_equal(np.asarray(mj.forward(a, toks)), np.asarray(mj.forward(b, toks)))
+    f32 = mj.load_pretrained(dst, dtype="float32")
+    assert {str(l.dtype) for l in jax.tree_util.tree_leaves(f32.params)} == {"float32"}
+    # an existing destination is refused unless --force
+    assert cli_convert([case.path, dst]) == 1
+    assert "not empty" in capsys.readouterr().err
+    assert cli_convert([case.path, dst, "--force"]) == 0
+    assert mj.load_pretrained(dst).params["embed"].dtype == np.float32
+
+
+# ------------------------------------------------------------------ bad checkpoints
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    """A valid tiny Qwen3 checkpoint: (state dict, config.json dict)."""
+    case = hf.qwen3(str(tmp_path_factory.mktemp("good")), seed=16)
+    with open(os.path.join(case.path, "config.json")) as f:
+        cfg = json.load(f)
+    return dict(case.model.state_dict()), cfg
+
+
+def _write(tmp_path, good, drop=(), add=None, config=None) -> str:
+    sd, cfg = good
+    sd = {k: v for k, v in sd.items() if k not in drop}
+    sd.update(add or {})
+    return hf.write_checkpoint(str(tmp_path / "ckpt"), sd, {**cfg, **(config or {})})
+
+
+def test_missing_key(tmp_path, good):
+    path = _write(tmp_path, good, drop=["model.layers.1.mlp.up_proj.weight"])
+    with pytest.raises(CheckpointError, match=r"missing key.*model\.layers\.1\.mlp\.up_proj\.weight "
+                                              r"\(expected shape \(48, 32\)\)"):
+        mj.load_pretrained(path)
+
+
+def test_missing_lm_head_when_untied(tmp_path, good):
+    path = _write(tmp_path, good, drop=["lm_head.weight"])
+    with pytest.raises(CheckpointError, match=r"missing key.*lm_head\.weight \(expected shape \(96, 32\)\)"):
+        mj.load_pretrained(path)
+
+
+def test_extra_key(tmp_path, good):
+    path = _write(tmp_path, good, add={"model.layers.0.self_attn.q_proj.bias": torch.zeros(32)})
+    with pytest.raises(CheckpointError, match=r"unexpected key.*model\.layers\.0\.self_attn\.q_proj\.bias"):
+        mj.load_pretrained(path)
+
+
+def test_extra_layer(tmp_path, good):
+    path = _write(tmp_path, good, add={"model.layers.2.input_layernorm.weight": torch.ones(32)})
+    with pytest.raises(CheckpointError, match=r"unexpected key.*model\.layers\.2\.input_layernorm\.weight"):
+        mj.load_pretrained(path)
+
+
+def test_wrong_shape(tmp_path, good):
+    path = _write(tmp_path, good, add={"model.layers.0.self_attn.k_proj.weight": torch.zeros(8, 32)})
+    with pytest.raises(CheckpointError, match=r"wrong shape for model\.layers\.0\.self_attn\.k_proj\.weight "
+                                              r"in model\.safetensors: expected \(16, 32\), found \(8, 32\)"):
+        mj.load_pretrained(path)
+
+
+def test_unknown_model_type(tmp_path, good):
+    path = _write(tmp_path, good, config={"model_type": "gpt_neox"})
+    with pytest.raises(CheckpointError, match=r"config\.json: unknown model_type 'gpt_neox'"):
+        mj.load_pretrained(path)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "header"])
+def test_corrupt_safetensors(tmp_path, good, damage):
+    path = _write(tmp_path, good)
+    f = os.path.join(path, "model.safetensors")
+    data = open(f, "rb").read()
+    data = data[: len(data) // 2] if damage == "truncate" else data[:8] + b"{not json" + data[17:]
+    with open(f, "wb") as fh:
+        fh.write(data)
+    with pytest.raises(CheckpointError, match=r"corrupt safetensors file model\.safetensors"):
+        mj.load_pretrained(path)
+
+
+def test_missing_config_and_weights(tmp_path, good):
+    path = _write(tmp_path, good)
+    os.remove(os.path.join(path, "config.json"))
+    with pytest.raises(CheckpointError, match=r"has no config\.json"):
+        mj.load_pretrained(path)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "config.json").write_text(json.dumps(good[1]))
+    with pytest.raises(CheckpointError, match=r"no \*\.safetensors or pytorch_model\*\.bin weights"):
+        mj.load_pretrained(str(empty))
+    with pytest.raises(FileNotFoundError, match="no such checkpoint folder"):
+        mj.load_pretrained(str(tmp_path / "nowhere"))
+    assert issubclass(CheckpointError, ValueError)
+
+
+def test_cli_reports_errors(tmp_path, good, capsys):
+    path = _write(tmp_path, good, drop=["model.norm.weight"])
+    assert cli_convert([path, str(tmp_path / "out")]) == 1
+    assert "missing key" in capsys.readouterr().err and not os.path.exists(tmp_path / "out")
