@@ -55,11 +55,10 @@ def _flat_src(slots):
     return (_prod(slots[0]),)
 
 
-def _qkv_src(slots):
-    heads = sum(s[-2] for s in slots)
-    d = slots[0][0] if len(slots[0]) == 3 else None
-    dh = slots[0][-1]
-    return (heads * dh, d) if d is not None else (heads * dh,)
+def _qkv_src(slots: list[Shape]) -> Shape:
+    """[(H + 2 Hkv) * Dh, D] for the fused weight, [(H + 2 Hkv) * Dh] for the fused bias."""
+    rows = sum(_prod(s[-2:]) for s in slots)
+    return (rows, slots[0][0]) if len(slots[0]) == 3 else (rows,)
 
 
 def _qkv_conv(x: np.ndarray, slots: list[Shape]) -> list[np.ndarray]:
