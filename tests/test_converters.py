@@ -99,8 +99,11 @@ def test_fused_qkv_split_by_heads():
 
     cfg = ModelConfig.from_hf({**LLADA2_MINI, "hidden_size": 6, "num_attention_heads": 2,
                                "num_key_value_heads": 1, "head_dim": 4, "num_hidden_layers": 1,
-                               "num_experts": 0})
+                               "num_experts": 0, "use_qkv_bias": True})
     plan, _ = build_plan(cfg)
+    bq, bk, bv = convert_tensor(plan["model.layers.0.attention.query_key_value.bias"], np.arange(16.0))
+    assert (bq.shape, bk.shape, bv.shape) == ((2, 4), (1, 4), (1, 4))
+    assert (bq[1, 0], bk[0, 0], bv[0, 3]) == (4.0, 8.0, 15.0)
     e = plan["model.layers.0.attention.query_key_value.weight"]
     assert e.hf_shape == (16, 6)
     x = np.arange(16 * 6, dtype=np.float32).reshape(16, 6)
