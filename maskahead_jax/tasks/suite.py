@@ -1,0 +1,290 @@
+"""Seeded, deterministic long-context retrieval tasks in the RULER / needle style.
+
+Every generator is `make_<task>(n_tokens, depth, seed, tokenizer=None) -> Example`:
+`n_tokens` is the prompt length in tokens of the testbed tokenizer (without [BOS]), `depth`
+in [0, 1] places the needle (0 = start of the context, 1 = just before the question). The
+prompt is the context followed by the question; its last words start the answer sentence
+(e.g. "... the pass key is"), so the answer is a plain continuation. `score(example, prediction)`
+returns a float in [0, 1].
+
+Tasks: passkey, multikey, twohop (niah_hard: case -> unit -> code at mirrored depths, 8 decoy
+pairs), docqa (entity documents, QA F1), longanswer (>= 128 answer tokens: many facts from across
+the context in the order asked; score = fraction of facts right).
+"""
+from __future__ import annotations
+
+import dataclasses
+import random
+import re
+from typing import Any, Callable, Optional
+
+from .. import metrics
+from . import lexicon as L
+from .tokenizer import count_tokens, get_tokenizer
+
+TASKS = ("passkey", "multikey", "twohop", "docqa", "longanswer")
+
+
+@dataclasses.dataclass
+class Example:
+    task: str
+    prompt: str
+    answer: str
+    context_length: int  # requested prompt length in tokens
+    depth: float  # requested needle depth in [0, 1]
+    seed: int
+    n_tokens: int = 0  # actual prompt tokens (without [BOS])
+    needle_token_pos: int = -1  # token offset of the (first) needle in the prompt
+    meta: dict = dataclasses.field(default_factory=dict)
+
+    def score(self, prediction: str) -> float:
+        return score(self, prediction)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ------------------------------------------------------------------------------ filler grammar
+def _np(r: random.Random) -> str:
+    k = r.random()
+    if k < 0.4:
+        return f"the {r.choice(L.ADJS)} {r.choice(L.NOUNS)}"
+    if k < 0.6:
+        return f"a {r.choice(L.NOUNS)}"
+    if k < 0.8:
+        return f"{r.choice(L.FIRST)} {r.choice(L.LAST)}"
+    return f"the {r.choice(L.NOUNS)} of the {r.choice(L.NOUNS)}"
+
+
+_PREPS = ["in", "near", "under", "over", "after", "before", "with", "from", "into", "about"]
+
+
+def filler_sentence(r: random.Random) -> str:
+    k = r.randrange(9)
+    if k == 0:
+        s = f"{_np(r)} {r.choice(L.VERBS)} {_np(r)} {r.choice(_PREPS)} the {r.choice(L.NOUNS)}"
+    elif k == 1:
+        s = f"{_np(r)} {r.choice(L.VERBS_PRES)} {r.choice(L.ADVS)}"
+    elif k == 2:
+        s = f"in the {r.choice(L.ADJS)} {r.choice(L.NOUNS)} , {_np(r)} {r.choice(L.VERBS)} {_np(r)}"
+    elif k == 3:
+        s = f"{_np(r)} was {r.choice(L.ADJS)} and {r.choice(L.ADJS)}"
+    elif k == 4:
+        s = (f"when {_np(r)} {r.choice(L.VERBS)} the {r.choice(L.NOUNS)} , "
+             f"{_np(r)} {r.choice(L.VERBS_PRES)} {r.choice(L.ADVS)}")
+    elif k == 5:
+        s = f"there was {r.choice(['a', 'one', 'no'])} {r.choice(L.COLORS)} {r.choice(L.ANIMALS)} {r.choice(_PREPS)} the {r.choice(L.NOUNS)}"
+    elif k == 6:
+        s = f"{_np(r)} {r.choice(L.ADVS)} {r.choice(L.VERBS)} {_np(r)} and {r.choice(L.VERBS)} {_np(r)}"
+    elif k == 7:
+        s = f"every {r.choice(L.NOUNS)} {r.choice(L.VERBS_PRES)} {r.choice(_PREPS)} the {r.choice(L.ADJS)} {r.choice(L.NOUNS)}"
+    else:
+        s = f"{r.choice(L.FIRST)} said that the {r.choice(L.NOUNS)} was {r.choice(L.ADJS)}"
+    return s + r.choice([" .", " .", " .", " !", " ;"])
+
+
+def _filler(r: random.Random, n: int, tok) -> list[tuple[str, int]]:
+    """Sentences (text, tokens) totalling about n tokens (never above n)."""
+    out, tot = [], 0
+    while True:
+        s = filler_sentence(r)
+        c = count_tokens(s, tok)
+        if tot + c > n:
+            break
+        out.append((s, c))
+        tot += c
+    return out
+
+
+def _assemble(r: random.Random, n_ctx: int, needles: list[tuple[float, str]], tok) -> tuple[str, list[int]]:
+    """Filler of n_ctx tokens in total with each needle inserted at its depth (sentence boundary).
+
+    Returns the context text and the token offset of each needle (in the order given)."""
+    counts = [count_tokens(t, tok) for _, t in needles]
+    sents = _filler(r, max(0, n_ctx - sum(counts)), tok)
+    fill_tot = sum(c for _, c in sents)
+    # insertion index for each needle: the sentence boundary closest to depth * filler tokens
+    bounds = [0]
+    for _, c in sents:
+        bounds.append(bounds[-1] + c)
+    order = sorted(range(len(needles)), key=lambda i: (needles[i][0], i))
+    ins: dict[int, list[int]] = {}
+    for i in order:
+        target = needles[i][0] * fill_tot
+        j = min(range(len(bounds)), key=lambda b: abs(bounds[b] - target))
+        ins.setdefault(j, []).append(i)
+    pieces, offs, pos = [], [0] * len(needles), 0
+    for j in range(len(sents) + 1):
+        for i in ins.get(j, []):
+            offs[i] = pos
+            pieces.append(needles[i][1])
+            pos += counts[i]
+        if j < len(sents):
+            pieces.append(sents[j][0])
+            pos += sents[j][1]
+    return " ".join(pieces), offs
+
+
+def _digits(r: random.Random, n: int) -> str:
+    return str(r.randrange(1, 10)) + "".join(str(r.randrange(10)) for _ in range(n - 1))
+
+
+def _finish(task, r, n_tokens, depth, seed, tok, needles, question, answer, meta, needle_idx=0):
+    q_tok = count_tokens(question, tok)
+    ctx, offs = _assemble(r, n_tokens - q_tok, needles, tok)
+    prompt = ctx + " " + question
+    return Example(task=task, prompt=prompt, answer=answer, context_length=n_tokens, depth=depth,
+                   seed=seed, n_tokens=count_tokens(prompt, tok),
+                   needle_token_pos=offs[needle_idx] if offs else -1, meta=meta)
+
+
+# ------------------------------------------------------------------------------ tasks
+def make_passkey(n_tokens: int, depth: float, seed: int, tokenizer=None, n_digits: int = 7) -> Example:
+    tok = tokenizer or get_tokenizer()
+    r = random.Random(f"passkey:{seed}:{n_tokens}:{depth}")
+    key = _digits(r, n_digits)
+    needle = f"the pass key is {key} . remember it . {key} is the pass key ."
+    question = "what is the pass key ? the pass key is"
+    return _finish("passkey", r, n_tokens, depth, seed, tok, [(depth, needle)], question, key,
+                   {"queries": [(question, key)]})
+
+
+def _keyname(r):
+    return f"{r.choice(L.ADJS)} {r.choice(L.NOUNS)}"
+
+
+def _distinct(r, fn, k):
+    out = []
+    while len(out) < k:
+        x = fn(r)
+        if x not in out:
+            out.append(x)
+    return out
+
+
+def make_multikey(n_tokens: int, depth: float, seed: int, tokenizer=None, n_keys: int = 0) -> Example:
+    tok = tokenizer or get_tokenizer()
+    r = random.Random(f"multikey:{seed}:{n_tokens}:{depth}")
+    n_keys = n_keys or max(4, min(64, n_tokens // 64))
+    keys = _distinct(r, _keyname, n_keys)
+    vals = [_digits(r, 7) for _ in keys]
+    needles = [(depth, f"the special magic number for {keys[0]} is {vals[0]} .")]
+    for k, v in zip(keys[1:], vals[1:]):
+        needles.append((r.random(), f"the special magic number for {k} is {v} ."))
+    question = f"what is the special magic number for {keys[0]} ? the special magic number for {keys[0]} is"
+    qa = [(f"what is the special magic number for {k} ? the special magic number for {k} is", v)
+          for k, v in zip(keys, vals)]
+    return _finish("multikey", r, n_tokens, depth, seed, tok, needles, question, vals[0],
+                   {"key": keys[0], "n_keys": n_keys, "queries": qa})
+
+
+def make_twohop(n_tokens: int, depth: float, seed: int, tokenizer=None, n_decoys: int = 8) -> Example:
+    tok = tokenizer or get_tokenizer()
+    r = random.Random(f"twohop:{seed}:{n_tokens}:{depth}")
+    cases = _distinct(r, lambda r: f"{r.choice(L.FIRST)} {r.choice(L.LAST)}", n_decoys + 1)
+    units = _distinct(r, lambda r: f"{r.choice(L.COLORS)} {r.choice(L.ANIMALS)}", n_decoys + 1)
+    codes = [_digits(r, 6) for _ in cases]
+    needles = [(depth, f"case {cases[0]} is assigned to unit {units[0]} ."),
+               (1.0 - depth, f"unit {units[0]} holds code {codes[0]} .")]
+    for c, u, k in zip(cases[1:], units[1:], codes[1:]):
+        needles.append((r.random(), f"case {c} is assigned to unit {u} ."))
+        needles.append((r.random(), f"unit {u} holds code {k} ."))
+    question = f"which code belongs to case {cases[0]} ? the code is"
+    qa = [(f"which code belongs to case {c} ? the code is", k) for c, k in zip(cases, codes)]
+    return _finish("twohop", r, n_tokens, depth, seed, tok, needles, question, codes[0],
+                   {"case": cases[0], "unit": units[0], "queries": qa})
+
+
+_ATTRS = {
+    "located": ("where is {e} located ? {e} is located in the", lambda r: f"{r.choice(L.PLACES)} {r.choice(L.NOUNS)} district"),
+    "founder": ("who founded {e} ? {e} was founded by", lambda r: f"{r.choice(L.FIRST)} {r.choice(L.LAST)}"),
+    "material": ("what is {e} made of ? {e} is made of", lambda r: f"{r.choice(L.COLORS)} {r.choice(L.MATERIALS)}"),
+    "motto": ("what is the motto of {e} ? the motto of {e} is", lambda r: f"{r.choice(L.ADVS)} {r.choice(L.VERBS)} the {r.choice(L.ADJS)} {r.choice(L.NOUNS)}"),
+}
+
+
+def make_docqa(n_tokens: int, depth: float, seed: int, tokenizer=None, n_docs: int = 0) -> Example:
+    tok = tokenizer or get_tokenizer()
+    r = random.Random(f"docqa:{seed}:{n_tokens}:{depth}")
+    n_docs = n_docs or max(3, min(24, n_tokens // 160))
+    ents = _distinct(r, lambda r: f"the {r.choice(L.ADJS)} {r.choice(['hall', 'tower', 'library', 'market', 'school', 'bridge', 'castle', 'harbor'])}", n_docs)
+    docs = []
+    for i, e in enumerate(ents):
+        a = {k: g(r) for k, (_, g) in _ATTRS.items()}
+        docs.append(a)
+    needles = []
+    for i, (e, a) in enumerate(zip(ents, docs)):
+        text = (f"document : {e} is located in the {a['located']} . {e} was founded by {a['founder']} . "
+                f"{e} is made of {a['material']} . the motto of {e} is {a['motto']} .")
+        needles.append((depth if i == 0 else r.random(), text))
+    attr = r.choice(sorted(_ATTRS))
+    question = "answer the question from the documents . " + _ATTRS[attr][0].format(e=ents[0])
+    qa = [(_ATTRS[a][0].format(e=e), d[a]) for e, d in zip(ents, docs) for a in sorted(_ATTRS)]
+    return _finish("docqa", r, n_tokens, depth, seed, tok, needles, question, docs[0][attr],
+                   {"entity": ents[0], "attribute": attr, "queries": qa})
+
+
+def make_longanswer(n_tokens: int, depth: float, seed: int, tokenizer=None, n_facts: int = 22) -> Example:
+    """n_facts station codes spread over the context; the answer lists `name code ;` for every
+    station in the order the question names them (>= 128 answer tokens for 22 facts).
+    `depth` places the first fact; the others are spread uniformly over the context."""
+    tok = tokenizer or get_tokenizer()
+    r = random.Random(f"longanswer:{seed}:{n_tokens}:{depth}")
+    names = _distinct(r, lambda r: r.choice(L.FIRST + L.LAST + L.ANIMALS), n_facts)
+    codes = [_digits(r, 4) for _ in names]
+    needles = [(depth if i == 0 else (i + r.random()) / n_facts, f"station {n} has code {c} .")
+               for i, (n, c) in enumerate(zip(names, codes))]
+    ask = r.sample(range(n_facts), n_facts)
+    question = ("list the code of every station in this order : " + " , ".join(names[i] for i in ask)
+                + " . answer :")
+    answer = " ".join(f"{names[i]} {codes[i]} ;" for i in ask)
+    return _finish("longanswer", r, n_tokens, depth, seed, tok, needles, question, answer,
+                   {"facts": [[names[i], codes[i]] for i in ask]})
+
+
+GENERATORS: dict[str, Callable[..., Example]] = {
+    "passkey": make_passkey, "multikey": make_multikey, "twohop": make_twohop,
+    "docqa": make_docqa, "longanswer": make_longanswer,
+}
+
+
+def generate(task: str, n_tokens: int, depth: float, seed: int, tokenizer=None, **kw) -> Example:
+    if task not in GENERATORS:
+        raise ValueError(f"unknown task {task!r}; choose one of {TASKS}")
+    return GENERATORS[task](n_tokens, depth, seed, tokenizer, **kw)
+
+
+def make_suite(tasks=TASKS, lengths=(512, 1024, 2048, 4096), depths=(0.0, 0.25, 0.5, 0.75, 1.0),
+               n_per_cell: int = 10, seed: int = 0, tokenizer=None):
+    """Yield examples for every (task, length, depth) cell; seeds seed .. seed + n_per_cell - 1."""
+    for t in tasks:
+        for n in lengths:
+            for d in depths:
+                for s in range(seed, seed + n_per_cell):
+                    yield generate(t, n, d, s, tokenizer)
+
+
+# ------------------------------------------------------------------------------ scoring
+def _first_number(pred: str) -> Optional[str]:
+    m = re.search(r"\d+", pred)
+    return m.group(0) if m else None
+
+
+def score(ex: Example, prediction: str) -> float:
+    if ex.task in ("passkey", "multikey", "twohop"):
+        return float(_first_number(prediction) == ex.answer)
+    if ex.task == "docqa":
+        return metrics.qa_f1_score(prediction, ex.answer)
+    if ex.task == "longanswer":
+        return longanswer_score(prediction, ex.meta["facts"])
+    raise ValueError(f"unknown task {ex.task!r}")
+
+
+def longanswer_score(prediction: str, facts) -> float:
+    """Fraction of facts (name, code) whose i-th `;`-separated item of the prediction is right."""
+    items = [it.split() for it in prediction.split(";")]
+    ok = 0
+    for i, (name, code) in enumerate(facts):
+        if i < len(items) and items[i][:2] == [name, code]:
+            ok += 1
+    return ok / len(facts)

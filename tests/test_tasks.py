@@ -1,0 +1,96 @@
+"""Task suite: deterministic generators, self-consistent scorers, lengths and depths as asked."""
+import pytest
+
+from maskahead_jax import tasks as T
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return T.get_tokenizer()
+
+
+def test_tokenizer_specials_and_digits(tok):
+    assert tok.get_vocab_size() <= 1024
+    for name, i in [("[PAD]", T.PAD_ID), ("[BOS]", T.BOS_ID), ("[EOS]", T.EOS_ID), ("[MASK]", T.MASK_ID)]:
+        assert tok.token_to_id(name) == i
+    enc = tok.encode("the pass key is 4821973 .", add_special_tokens=False)
+    assert enc.tokens[:4] == ["the", "pass", "key", "is"]
+    assert enc.tokens[4:11] == ["4", "##8", "##2", "##1", "##9", "##7", "##3"]
+    assert tok.decode(enc.ids) == "the pass key is 4821973."
+    assert tok.encode("the").ids[0] == T.BOS_ID  # [BOS] is prepended by default
+
+
+def test_shipped_tokenizer_matches_builder(tok):
+    built = T.build_tokenizer()
+    assert built.get_vocab() == tok.get_vocab()
+
+
+@pytest.mark.parametrize("task", T.TASKS)
+def test_deterministic(task, tok):
+    a = T.generate(task, 512, 0.5, seed=3, tokenizer=tok)
+    b = T.generate(task, 512, 0.5, seed=3, tokenizer=tok)
+    c = T.generate(task, 512, 0.5, seed=4, tokenizer=tok)
+    assert a.to_dict() == b.to_dict()
+    assert a.prompt != c.prompt
+
+
+@pytest.mark.parametrize("task", T.TASKS)
+@pytest.mark.parametrize("n", [512, 2048])
+def test_scorer_and_length(task, n, tok):
+    ex = T.generate(task, n, 0.25, seed=1, tokenizer=tok)
+    assert ex.task == task and ex.context_length == n
+    assert n - 32 <= ex.n_tokens <= n
+    assert ex.n_tokens == T.count_tokens(ex.prompt, tok)
+    assert "[UNK]" not in tok.encode(ex.prompt).tokens
+    assert all(not t.startswith("##") or t[2:].isdigit() for t in tok.encode(ex.prompt).tokens)
+    assert ex.score(ex.answer) == 1.0
+    assert ex.score("") == 0.0
+    assert ex.score("1 2 3 nothing useful") < 1.0
+
+
+def test_wrong_answers_score_lower(tok):
+    ex = T.make_passkey(512, 0.5, 0, tok)
+    wrong = str(int(ex.answer) + 1)
+    assert ex.score(wrong) == 0.0
+    assert ex.score(ex.answer + " . done") == 1.0
+    ex = T.make_docqa(1024, 0.5, 0, tok)
+    assert 0.0 < ex.score(ex.answer.split()[0]) < 1.0
+    ex = T.make_longanswer(1024, 0.5, 0, tok)
+    facts = ex.meta["facts"]
+    half = " ".join(f"{n} {c} ;" for n, c in facts[: len(facts) // 2])
+    assert ex.score(half) == pytest.approx((len(facts) // 2) / len(facts))
+    assert len(tok.encode(ex.answer, add_special_tokens=False).ids) >= 128
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.25, 0.5, 0.75, 1.0])
+def test_needle_depth(depth, tok):
+    n = 2048
+    ex = T.make_passkey(n, depth, 7, tok)
+    assert abs(ex.needle_token_pos - depth * ex.n_tokens) <= 0.06 * n
+    # the needle is really at that token offset
+    ids = tok.encode(ex.prompt, add_special_tokens=False).ids
+    needle = tok.encode("the pass key is", add_special_tokens=False).ids
+    assert ids[ex.needle_token_pos:ex.needle_token_pos + len(needle)] == needle
+    assert ex.prompt.endswith("the pass key is")
+
+
+def test_twohop_mirrored(tok):
+    ex = T.make_twohop(2048, 0.25, 2, tok)
+    p = ex.prompt
+    case, unit = ex.meta["case"], ex.meta["unit"]
+    i1 = p.index(f"case {case} is assigned to unit {unit}")
+    i2 = p.index(f"unit {unit} holds code {ex.answer}")
+    assert i1 < len(p) * 0.4 and i2 > len(p) * 0.6
+    assert p.count("holds code") == 9  # target + 8 decoys
+
+
+def test_filler_varied():
+    import random
+    r = random.Random(0)
+    sents = [T.filler_sentence(r) for _ in range(200)]
+    assert len(set(sents)) > 190
+
+
+def test_suite_grid(tok):
+    exs = list(T.make_suite(tasks=("passkey",), lengths=(512,), depths=(0.0, 1.0), n_per_cell=2, tokenizer=tok))
+    assert len(exs) == 4 and {e.depth for e in exs} == {0.0, 1.0}
