@@ -1,0 +1,449 @@
+"""Train the testbed: a small SDAR-layout (Qwen3 keys) block-diffusion model on synthetic retrieval.
+
+Objective (research/models.md §1.3, BD3-LM / Fast-dLLM v2 "two-copy"): the sequence x0 of L tokens
+is noised block by block (block 32; per block t ~ U(0,1), mask prob (1-1e-3) t + 1e-3, or with
+probability --suffix-prob a "prompt tail + masked answer" pattern: a random cut per block, every
+position after it masked), the model reads concat(x_t, x0) with positions concat(arange, arange)
+and the mask: x_t block b sees x_t block b (bidirectional) and x0 blocks < b; x0 is block-causal.
+Loss: cross entropy on the masked positions of x_t (no token shift: a mask predicts its own token),
+answer tokens weighted --answer-weight. Data: the task suite's formats generated on the fly with
+several extra questions appended (MQAR-style: every answer is retrievable from the context), a
+curriculum over the sequence length. Held-out greedy needle accuracy (passkey / multikey / twohop,
+threshold decoding of the answer block) is logged during training.
+
+Usage:
+  python experiments/train_testbed.py --minutes 110            # train (resumes from runs/testbed)
+  python experiments/train_testbed.py --export-only            # export the latest checkpoint
+  python experiments/train_testbed.py --smoke                  # 2-3 minute loss check
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+
+from maskahead_jax.config import ModelConfig  # noqa: E402
+from maskahead_jax.model.decoder import forward_hidden, lm_head  # noqa: E402
+from maskahead_jax.model.init import init_params  # noqa: E402
+from maskahead_jax import tasks as T  # noqa: E402
+
+BLOCK = 32
+
+
+# ----------------------------------------------------------------------------- model config
+def make_config(args, vocab: int) -> ModelConfig:
+    return ModelConfig(
+        family="sdar", layout="qwen3", vocab_size=vocab, hidden_size=args.d_model,
+        num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads,
+        head_dim=args.d_model // args.heads, intermediate_size=args.ffn, rms_eps=1e-6,
+        rope_theta=args.rope_theta, qk_norm=True, tie_embeddings=False,
+        attention="block_causal", logits_shift=False, mask_token_id=T.MASK_ID,
+        eos_token_ids=(T.EOS_ID,), pad_token_id=T.PAD_ID, block_size=BLOCK,
+        commit_rule="dynamic", threshold=0.85, max_position_embeddings=8192)
+
+
+def hf_config(cfg: ModelConfig) -> dict:
+    return {
+        "architectures": ["SDARForCausalLM"], "model_type": "sdar", "family": "sdar",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.intermediate_size, "rms_norm_eps": cfg.rms_eps,
+        "rope_theta": cfg.rope_theta, "hidden_act": "silu", "attention_bias": False,
+        "use_qk_norm": True, "tie_word_embeddings": False,
+        "max_position_embeddings": cfg.max_position_embeddings, "torch_dtype": "bfloat16",
+        "mask_token_id": cfg.mask_token_id, "eos_token_id": cfg.eos_token_ids[0],
+        "pad_token_id": cfg.pad_token_id, "bos_token_id": T.BOS_ID, "block_size": cfg.block_size,
+        "attention": cfg.attention, "logits_shift": cfg.logits_shift, "commit_rule": cfg.commit_rule,
+        "threshold": cfg.threshold,
+    }
+
+
+# ----------------------------------------------------------------------------- data
+def _ids(tok, text):
+    return tok.encode(text, add_special_tokens=False).ids
+
+
+def train_sequence(r: random.Random, L: int, tok, answer_weight: float):
+    """One clean training sequence of exactly L tokens and its per-token loss weights."""
+    task = r.choices(T.TASKS, weights=[0.22, 0.3, 0.18, 0.15, 0.15])[0]
+    frac = r.uniform(0.45, 0.85)
+    depth = r.random()
+    seed = r.randrange(10 ** 7, 2 ** 31)
+    if task == "longanswer":
+        nf = max(3, min(22, int(L * 0.5) // 8))
+        ctx = max(16, L - 8 * nf - 18)
+        ex = T.make_longanswer(ctx, depth, seed, tok, n_facts=nf)
+        queries = []
+    else:
+        kw = {}
+        n = max(24, int(L * frac))
+        if task == "passkey":
+            kw["n_digits"] = r.randint(3, 8)
+        elif task == "multikey":
+            kw["n_keys"] = r.randint(2, max(2, min(64, n // 24)))
+        elif task == "twohop":
+            kw["n_decoys"] = r.randint(0, max(0, min(8, n // 40 - 1)))
+        elif task == "docqa":
+            kw["n_docs"] = r.randint(1, max(1, min(24, n // 60)))
+        ex = T.generate(task, n, depth, seed, tok, **kw)
+        queries = list(ex.meta.get("queries", []))
+    ids = [T.BOS_ID] + _ids(tok, ex.prompt)
+    w = [1.0] * len(ids)
+    a = _ids(tok, ex.answer)
+    ids += a
+    w += [answer_weight] * len(a)
+    # extra questions (MQAR-style): recall other facts of the same context
+    while queries and len(ids) < L:
+        q, ans = r.choice(queries)
+        qi, ai = _ids(tok, ". " + q), _ids(tok, ans)
+        if len(ids) + len(qi) + len(ai) >= L and r.random() < 0.7:
+            break  # end on a complete answer followed by [EOS]
+        ids += qi + ai
+        w += [1.0] * len(qi) + [answer_weight] * len(ai)
+    ids = ids[:L]
+    w = w[:L]
+    # EOS after the last complete item, then EOS padding (weight 0.2: cheap to learn)
+    if len(ids) < L:
+        n = L - len(ids)
+        ids += [T.EOS_ID] * n
+        w += [1.0] + [0.2] * (n - 1)
+    return np.asarray(ids, np.int32), np.asarray(w, np.float32)
+
+
+def make_batch(step: int, seed: int, B: int, L: int, tok, args):
+    r = random.Random(seed * 1_000_003 + step)
+    xs, ws = zip(*[train_sequence(r, L, tok, args.answer_weight) for _ in range(B)])
+    x0 = np.stack(xs)
+    w = np.stack(ws)
+    nb = L // BLOCK
+    # noise
+    rn = np.random.default_rng(seed * 7919 + step)
+    t = rn.uniform(size=(B, nb, 1))
+    p = (1 - 1e-3) * t + 1e-3
+    masked = rn.uniform(size=(B, nb, BLOCK)) < p
+    suffix = rn.uniform(size=(B, 1, 1)) < args.suffix_prob
+    cut = rn.integers(0, BLOCK, size=(B, nb, 1))
+    masked_suffix = np.arange(BLOCK)[None, None, :] >= cut
+    masked = np.where(suffix, masked_suffix, masked).reshape(B, L)
+    xt = np.where(masked, T.MASK_ID, x0)
+    return xt.astype(np.int32), x0, masked, w
+
+
+def two_copy_mask(L: int) -> np.ndarray:
+    i = np.arange(2 * L)
+    copy, blk = i // L, (i % L) // BLOCK
+    qc, kc = copy[:, None], copy[None, :]
+    qb, kb = blk[:, None], blk[None, :]
+    m = ((qc == 0) & (kc == 0) & (qb == kb)) | ((qc == 0) & (kc == 1) & (kb < qb)) | (
+        (qc == 1) & (kc == 1) & (kb <= qb))
+    return m
+
+
+# ----------------------------------------------------------------------------- training
+def make_train_step(cfg, opt, L):
+    mask = jnp.asarray(two_copy_mask(L))
+    pos = jnp.concatenate([jnp.arange(L), jnp.arange(L)]).astype(jnp.int32)
+
+    def loss_fn(params, xt, x0, masked, w):
+        B = xt.shape[0]
+        toks = jnp.concatenate([xt, x0], axis=1)
+        h = forward_hidden(params, cfg, toks, jnp.broadcast_to(pos, (B, 2 * L)),
+                           mask=jnp.broadcast_to(mask, (B, 2 * L, 2 * L)))
+        logits = lm_head(params, cfg, h[:, :L])
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, x0)
+        wm = w * masked
+        loss = (ce * wm).sum() / jnp.maximum(wm.sum(), 1.0)
+        acc = ((logits.argmax(-1) == x0) * masked).sum() / jnp.maximum(masked.sum(), 1)
+        return loss, acc
+
+    @jax.jit
+    def step(params, opt_state, xt, x0, masked, w):
+        (loss, acc), g = jax.value_and_grad(loss_fn, has_aux=True)(params, xt, x0, masked, w)
+        upd, opt_state = opt.update(g, opt_state, params)
+        return optax.apply_updates(params, upd), opt_state, loss, acc
+
+    return step
+
+
+# ----------------------------------------------------------------------------- held-out eval
+def make_decoder(cfg):
+    @jax.jit
+    def pred(params, toks):
+        b, t = toks.shape
+        logits = lm_head(params, cfg, forward_hidden(params, cfg, toks))
+        prob = jax.nn.softmax(logits, -1)
+        return prob.argmax(-1), prob.max(-1)
+
+    return pred
+
+
+def greedy_answers(params, cfg, pred, prompts_ids, max_new: int, threshold: float = 0.85,
+                   total: int | None = None):
+    """Threshold decoding of the answer blocks (at least one commit per step, highest confidence
+    first), batched: prompt + masks to the end of the block holding prompt+max_new, PAD after."""
+    B = len(prompts_ids)
+    ends = [((len(p) + max_new + BLOCK - 1) // BLOCK) * BLOCK for p in prompts_ids]
+    T_ = max(total or 0, -(-max(ends) // 64) * 64)
+    toks = np.full((B, T_), T.PAD_ID, np.int32)
+    for i, p in enumerate(prompts_ids):
+        toks[i, :len(p)] = p
+        toks[i, len(p):ends[i]] = T.MASK_ID
+    for _ in range(max_new + 2 * BLOCK):
+        ism = toks == T.MASK_ID
+        if not ism.any():
+            break
+        am, conf = pred(params, jnp.asarray(toks))
+        am, conf = np.asarray(am), np.asarray(conf)
+        for i in range(B):
+            mpos = np.nonzero(ism[i])[0]
+            if not len(mpos):
+                continue
+            blk = mpos[0] // BLOCK
+            cand = mpos[mpos // BLOCK == blk]
+            c = conf[i, cand]
+            sel = cand[c >= threshold]
+            if not len(sel):
+                sel = cand[[int(np.argmax(c))]]
+            toks[i, sel] = am[i, sel]
+    outs = []
+    for i, p in enumerate(prompts_ids):
+        gen = list(toks[i, len(p):ends[i]])
+        if T.EOS_ID in gen:
+            gen = gen[:gen.index(T.EOS_ID)]
+        outs.append(gen)
+    return outs
+
+
+def heldout_eval(params, cfg, pred, tok, L: int, n: int = 16, tasks=("passkey", "multikey", "twohop")):
+    res = {}
+    ctx = L - 24
+    for task in tasks:
+        exs = [T.generate(task, ctx, (i % 5) / 4, 900_000 + i, tok) for i in range(n)]
+        prompts = [tok.encode(e.prompt).ids for e in exs]
+        outs = greedy_answers(params, cfg, pred, prompts, 10, total=L + 64)
+        res[task] = float(np.mean([e.score(tok.decode(o)) for e, o in zip(exs, outs)]))
+    return res
+
+
+# ----------------------------------------------------------------------------- export
+def export_hf(params, cfg: ModelConfig, out_dir: str, extra_card: str = ""):
+    import ml_dtypes
+    from safetensors.numpy import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    P = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float32), params)
+    D, H, Hk, Dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    t = {"model.embed_tokens.weight": P["embed"], "model.norm.weight": P["final_norm"],
+         "lm_head.weight": P["lm_head"].T}
+    ly = P["layers"]
+    for i in range(cfg.num_layers):
+        pre = f"model.layers.{i}."
+        t[pre + "input_layernorm.weight"] = ly["attn_norm"][i]
+        t[pre + "post_attention_layernorm.weight"] = ly["mlp_norm"][i]
+        t[pre + "self_attn.q_proj.weight"] = ly["wq"][i].reshape(D, H * Dh).T
+        t[pre + "self_attn.k_proj.weight"] = ly["wk"][i].reshape(D, Hk * Dh).T
+        t[pre + "self_attn.v_proj.weight"] = ly["wv"][i].reshape(D, Hk * Dh).T
+        t[pre + "self_attn.o_proj.weight"] = ly["wo"][i].reshape(H * Dh, D).T
+        t[pre + "self_attn.q_norm.weight"] = ly["q_norm"][i]
+        t[pre + "self_attn.k_norm.weight"] = ly["k_norm"][i]
+        t[pre + "mlp.gate_proj.weight"] = ly["mlp"]["gate"][i].T
+        t[pre + "mlp.up_proj.weight"] = ly["mlp"]["up"][i].T
+        t[pre + "mlp.down_proj.weight"] = ly["mlp"]["down"][i].T
+    t = {k: np.ascontiguousarray(v).astype(ml_dtypes.bfloat16) for k, v in t.items()}
+    save_file(t, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(hf_config(cfg), f, indent=2)
+    T.save_tokenizer(os.path.join(out_dir, "tokenizer.json"))
+    return out_dir
+
+
+
+def load_hf(folder: str):
+    """Read an exported folder back into (params, cfg) (a check of the exporter; the library's
+    converters/ are the real loading path)."""
+    from safetensors.numpy import load_file
+
+    with open(os.path.join(folder, "config.json")) as f:
+        cfg = ModelConfig.from_hf(json.load(f))
+    t = {k: np.asarray(v, np.float32) for k, v in load_file(os.path.join(folder, "model.safetensors")).items()}
+    D, H, Hk, Dh, n = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
+    g = lambda name: np.stack([t[f"model.layers.{i}.{name}"] for i in range(n)])
+    layers = {
+        "attn_norm": g("input_layernorm.weight"), "mlp_norm": g("post_attention_layernorm.weight"),
+        "wq": g("self_attn.q_proj.weight").transpose(0, 2, 1).reshape(n, D, H, Dh),
+        "wk": g("self_attn.k_proj.weight").transpose(0, 2, 1).reshape(n, D, Hk, Dh),
+        "wv": g("self_attn.v_proj.weight").transpose(0, 2, 1).reshape(n, D, Hk, Dh),
+        "wo": g("self_attn.o_proj.weight").transpose(0, 2, 1).reshape(n, H, Dh, D),
+        "q_norm": g("self_attn.q_norm.weight"), "k_norm": g("self_attn.k_norm.weight"),
+        "mlp": {"gate": g("mlp.gate_proj.weight").transpose(0, 2, 1),
+                "up": g("mlp.up_proj.weight").transpose(0, 2, 1),
+                "down": g("mlp.down_proj.weight").transpose(0, 2, 1)},
+    }
+    params = {"embed": t["model.embed_tokens.weight"], "final_norm": t["model.norm.weight"],
+              "lm_head": t["lm_head.weight"].T, "layers": layers}
+    return jax.tree_util.tree_map(jnp.asarray, params), cfg
+
+# ----------------------------------------------------------------------------- main
+def curriculum(frac: float, stages):
+    """stages: list of (start_fraction, L, B); the last stage whose start <= frac."""
+    cur = stages[0]
+    for s in stages:
+        if frac >= s[0]:
+            cur = s
+    return cur
+
+
+def parse_stages(s: str):
+    out = []
+    for part in s.split(","):
+        a, b, c = part.split(":")
+        out.append((float(a), int(b), int(c)))
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--minutes", type=float, default=110.0, help="training time budget (all runs together)")
+    ap.add_argument("--run-dir", default=os.path.join(ROOT, "runs", "testbed"))
+    ap.add_argument("--out", default=os.path.join(ROOT, "maskahead_jax", "testbed"))
+    ap.add_argument("--export-only", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="tiny run: 2.5 minutes at L=128, no checkpoint")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--d-model", type=int, default=192)
+    ap.add_argument("--heads", type=int, default=6)
+    ap.add_argument("--kv-heads", type=int, default=3)
+    ap.add_argument("--ffn", type=int, default=512)
+    ap.add_argument("--rope-theta", type=float, default=10000.0)
+    ap.add_argument("--vocab", type=int, default=576)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--warmup", type=int, default=150)
+    ap.add_argument("--answer-weight", type=float, default=3.0)
+    ap.add_argument("--suffix-prob", type=float, default=0.3)
+    ap.add_argument("--stages", default="0:128:32,0.12:256:16,0.35:512:8,0.65:1024:4",
+                    help="curriculum start_fraction:seq_len:batch,...")
+    ap.add_argument("--ckpt-minutes", type=float, default=4.0)
+    ap.add_argument("--eval-minutes", type=float, default=8.0)
+    ap.add_argument("--eval-n", type=int, default=16)
+    args = ap.parse_args(argv)
+
+    import orbax.checkpoint as ocp
+    from tqdm import tqdm
+
+    tok = T.build_tokenizer()
+    assert tok.get_vocab_size() <= args.vocab
+    cfg = make_config(args, args.vocab)
+    params = init_params(cfg, jax.random.PRNGKey(args.seed))
+    nparam = sum(x.size for x in jax.tree_util.tree_leaves(params))
+    print(f"params: {nparam / 1e6:.2f}M  cfg: {cfg}", flush=True)
+    opt = optax.inject_hyperparams(
+        lambda learning_rate: optax.chain(optax.clip_by_global_norm(1.0),
+                                          optax.adamw(learning_rate, b1=0.9, b2=0.98, weight_decay=0.01))
+    )(learning_rate=args.lr)
+    opt_state = opt.init(params)
+    state = {"params": params, "opt_state": opt_state, "step": np.asarray(0, np.int64), "elapsed": np.asarray(0.0, np.float64)}
+
+    run_dir = os.path.abspath(args.run_dir)
+    mngr = None
+    if not args.smoke:
+        os.makedirs(run_dir, exist_ok=True)
+        mngr = ocp.CheckpointManager(os.path.join(run_dir, "ckpt"),
+                                     options=ocp.CheckpointManagerOptions(max_to_keep=2))
+        if mngr.latest_step() is not None:
+            state = mngr.restore(mngr.latest_step(), args=ocp.args.StandardRestore(state))
+            print(f"resumed from step {int(state['step'])}, {float(state['elapsed']) / 60:.1f} min trained",
+                  flush=True)
+    if args.export_only:
+        if mngr is None or mngr.latest_step() is None:
+            print("no checkpoint to export"); return 1
+        export_hf(state["params"], cfg, args.out)
+        print(f"exported step {int(state['step'])} to {args.out}")
+        return 0
+
+    budget = 60 * (2.5 if args.smoke else args.minutes)
+    stages = [(0, 128, 16)] if args.smoke else parse_stages(args.stages)
+    params, opt_state = state["params"], state["opt_state"]
+    step, elapsed = int(state["step"]), float(state["elapsed"])
+    steps_fns = {}
+    pred = make_decoder(cfg)
+    log_path = os.path.join(run_dir, "metrics.jsonl") if mngr else None
+    t_last = time.time()
+    last_ckpt, last_eval = elapsed, elapsed
+    pbar = tqdm(total=int(budget), initial=int(elapsed), unit="s", dynamic_ncols=True, mininterval=5)
+    ema = None
+
+    def save():
+        if mngr is None:
+            return
+        st = {"params": params, "opt_state": opt_state, "step": np.asarray(step, np.int64), "elapsed": np.asarray(elapsed, np.float64)}
+        mngr.save(step, args=ocp.args.StandardSave(st), force=True)
+        mngr.wait_until_finished()
+
+    def log(rec):
+        if log_path:
+            with open(log_path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+
+    while elapsed < budget:
+        frac = elapsed / budget
+        _, L, B = curriculum(frac, stages)
+        if L not in steps_fns:
+            steps_fns[L] = make_train_step(cfg, opt, L)
+        lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        opt_state.hyperparams["learning_rate"] = jnp.asarray(lr, jnp.float32)
+        xt, x0, masked, w = make_batch(step, args.seed, B, L, tok, args)
+        params, opt_state, loss, acc = steps_fns[L](params, opt_state, xt, x0, masked, w)
+        loss = float(loss)
+        ema = loss if ema is None else 0.98 * ema + 0.02 * loss
+        step += 1
+        now = time.time()
+        elapsed += now - t_last
+        t_last = now
+        pbar.n = int(min(elapsed, budget))
+        pbar.set_postfix(step=step, L=L, loss=f"{ema:.3f}", acc=f"{float(acc):.2f}", lr=f"{lr:.1e}", refresh=False)
+        pbar.update(0)
+        if step % 25 == 0:
+            log({"step": step, "elapsed": elapsed, "L": L, "loss": ema, "acc": float(acc), "lr": lr})
+        if elapsed - last_eval >= 60 * args.eval_minutes or (args.smoke and elapsed >= budget):
+            te = time.time()
+            res = heldout_eval(params, cfg, pred, tok, min(L, 512) if not args.smoke else 128, n=args.eval_n)
+            print(f"\n[eval] step {step} L={L} elapsed {elapsed / 60:.1f}m loss {ema:.3f} heldout {res} "
+                  f"({time.time() - te:.0f}s)", flush=True)
+            log({"step": step, "elapsed": elapsed, "eval": res, "eval_L": min(L, 512)})
+            last_eval = elapsed
+            t_last = time.time()  # eval time does not count against the training budget
+        if mngr and elapsed - last_ckpt >= 60 * args.ckpt_minutes:
+            save()
+            last_ckpt = elapsed
+            t_last = time.time()
+    pbar.close()
+    if args.smoke:
+        res = heldout_eval(params, cfg, pred, tok, 128, n=args.eval_n)
+        print(f"smoke done: step {step} loss {ema:.3f} heldout@128 {res}")
+        return 0
+    save()
+    export_hf(params, cfg, args.out)
+    for Lf in (512, 1024):
+        res = heldout_eval(params, cfg, pred, tok, Lf, n=32)
+        print(f"[final eval] L={Lf} {res}", flush=True)
+        log({"step": step, "final_eval": res, "eval_L": Lf})
+    print(f"exported to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
