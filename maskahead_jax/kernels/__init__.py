@@ -1,2 +1,10 @@
-"""Attention ops: jnp references and Pallas kernels behind one dispatch."""
+"""Attention ops: jnp references and Pallas kernels behind one dispatch.
+
+    dispatch.scored_attention / scored_attention_quant / sparse_attention  (pick a kernel)
+    reference.attention, quant_reference.attention_quant                   (jnp references)
+    tpu (Pallas Mosaic TPU), gpu (Pallas Mosaic GPU, plgpu.kernel)          (imported lazily)
+"""
 from . import reference
+from .dispatch import scored_attention, scored_attention_quant, sparse_attention
+
+__all__ = ["reference", "scored_attention", "scored_attention_quant", "sparse_attention"]

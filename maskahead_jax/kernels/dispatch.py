@@ -1,0 +1,131 @@
+"""One entry point per op; picks the Pallas kernel for the backend, the jnp reference on CPU.
+
+    scored_attention(q, k_ctx, v_ctx, ctx_valid, k_blk, v_blk, blk_mask, stat_rows=None, ...)
+    scored_attention_quant(q, ctx: QuantKV, ctx_valid, k_blk, v_blk, blk_mask, stat_rows=None, ...)
+    sparse_attention(q, k_sel, v_sel, sel_valid, k_blk, v_blk, blk_mask, ...)
+
+All share `reference.attention`'s contract: q [B, Hkv, G, T, D], context [B, Hkv, S, D] (or a
+QuantKV with leading axes [B, Hkv]), ctx_valid [B, Hkv, S], block k/v [B, Hkv, T, D],
+blk_mask [B, T, T], stat_rows [B, T]; they return (out [B, Hkv, G, T, D], ScoredStats or None).
+
+`impl`: None picks by `jax.default_backend()` ("gpu" -> "pallas_gpu", "tpu" -> "pallas_tpu",
+else "reference"); tests force a kernel with impl=... and interpret=True (or an
+InterpretParams / InterpretGPUParams instance) on CPU.  `tile` (tokens per KV tile) and
+`splits` (parallel KV splits of pass 1) default per backend.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from .. import quant
+from . import quant_reference, reference, splitk
+from .reference import ScoredStats
+
+IMPLS = ("reference", "pallas_gpu", "pallas_tpu")
+
+
+def resolve_impl(impl: Optional[str] = None) -> str:
+    if impl is None:
+        return {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(jax.default_backend(), "reference")
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    return impl
+
+
+def _backend(impl: str):
+    if impl == "pallas_tpu":
+        from . import tpu
+        return tpu
+    from . import gpu
+    return gpu
+
+
+def _pad(x, axis: int, n: int, value=0):
+    extra = n - x.shape[axis]
+    if extra == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def _run(be, q, ctx, valid, cpb, k_blk, v_blk, blk_mask, stat_rows, tile, splits, interpret,
+         s_len, residual=None):
+    g = q.shape[2]
+    q_rows = splitk.rows(q)  # [B, Hkv, R, D]
+    q_planes = splitk.to_planes(q_rows, cpb)  # [B, Hkv, cpb, R, D/cpb]
+    part = be.pass1(q_planes, ctx, valid, tile=tile, splits=splits, interpret=interpret)
+    if residual is not None:
+        part = splitk.concat(part, splitk.partial_jnp(q_rows, *residual))
+    fin = splitk.finish(part, q, k_blk, v_blk, blk_mask, stat_rows)
+    if stat_rows is None:
+        return fin.out, None
+    w = splitk.row_weights(stat_rows, g)
+    mass, score = be.pass2(q_planes, ctx, valid, fin.lse, w, splitk.to_planes(fin.centre, cpb),
+                           tile=tile, interpret=interpret)
+    mass, score = mass[..., :s_len], score[..., :s_len]
+    if residual is not None:
+        rm, rs = splitk.stats_jnp(q_rows, *residual, fin.lse, w, fin.centre)
+        mass, score = jnp.concatenate([mass, rm], -1), jnp.concatenate([score, rs], -1)
+    return fin.out, ScoredStats(mass, score)
+
+
+def scored_attention(q, k_ctx, v_ctx, ctx_valid, k_blk, v_blk, blk_mask,
+                     stat_rows: Optional[jax.Array] = None, *, impl: Optional[str] = None,
+                     interpret=False, tile: Optional[int] = None, splits: Optional[int] = None):
+    """Exact attention over [context | block] plus prefix mass and value score (float context)."""
+    impl = resolve_impl(impl)
+    if impl == "reference" or k_ctx is None:
+        return reference.attention(q, k_ctx, v_ctx, ctx_valid, k_blk, v_blk, blk_mask, stat_rows)
+    be = _backend(impl)
+    s_len = k_ctx.shape[2]
+    tile, splits, n = be.plan(s_len, tile, splits)
+    ctx = be.float_ctx(_pad(k_ctx, 2, n), _pad(v_ctx, 2, n))
+    return _run(be, q, ctx, _pad(ctx_valid, 2, n, False), 1, k_blk, v_blk, blk_mask, stat_rows,
+                tile, splits, interpret, s_len)
+
+
+def scored_attention_quant(q, ctx: quant.QuantKV, ctx_valid, k_blk, v_blk, blk_mask,
+                           stat_rows: Optional[jax.Array] = None, *, impl: Optional[str] = None,
+                           interpret=False, tile: Optional[int] = None,
+                           splits: Optional[int] = None):
+    """Same as `scored_attention` with a packed context, dequantized tile by tile in the kernel.
+
+    A bf16 residual (the trailing partial key group) is handled in jnp and merged into the
+    same softmax state.
+    """
+    impl = resolve_impl(impl)
+    nq = ctx.num_packed
+    if impl == "reference" or nq == 0:
+        return quant_reference.attention_quant(q, ctx, ctx_valid, k_blk, v_blk, blk_mask, stat_rows)
+    be = _backend(impl)
+    bits = ctx.bits
+    cpb = quant.codes_per_byte(bits)
+    tile, splits, n = be.plan(nq, tile, splits)
+    ng = n // quant.GROUP
+    packed = be.packed_ctx(
+        _pad(ctx.k_codes, 2, n),
+        _pad(splitk.to_planes(ctx.k_scale, cpb), 3, ng), _pad(splitk.to_planes(ctx.k_zero, cpb), 3, ng),
+        _pad(ctx.v_codes, 2, n), _pad(ctx.v_scale, 2, n), _pad(ctx.v_zero, 2, n), bits)
+    valid = _pad(ctx_valid[..., :nq], 2, n, False)
+    residual = None
+    if ctx.k_res.shape[-2]:
+        residual = (ctx.k_res, ctx.v_res, ctx_valid[..., nq:])
+    return _run(be, q, packed, valid, cpb, k_blk, v_blk, blk_mask, stat_rows, tile, splits,
+                interpret, nq, residual)
+
+
+def sparse_attention(q, k_sel, v_sel, sel_valid, k_blk, v_blk, blk_mask, *,
+                     impl: Optional[str] = None, interpret=False, tile: Optional[int] = None,
+                     splits: Optional[int] = None) -> jax.Array:
+    """Attention of the block over [selected entries | block] (steps >= 1); returns out only.
+
+    k_sel, v_sel [B, Hkv, K, D] is the compact (gathered, dequantized bf16) buffer of the
+    selected entries, sel_valid [B, Hkv, K].  Runs pass 1 only.
+    """
+    out, _ = scored_attention(q, k_sel, v_sel, sel_valid, k_blk, v_blk, blk_mask, None,
+                              impl=impl, interpret=interpret, tile=tile, splits=splits)
+    return out
