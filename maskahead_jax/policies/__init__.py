@@ -1,0 +1,2 @@
+"""KV-cache policies: frozen, hashable dataclasses passed to `generate(..., policy=...)`."""
+from .base import Dense
