@@ -33,6 +33,7 @@ from .config import GenerationConfig, ModelConfig, ResolvedGeneration
 from .decoding import commit, shift_logits
 from .model import Segment, block_causal_mask, lm_head, model_step
 from .policies.base import Dense
+from .sharding import constrain_cache
 
 
 class PromptTooLongError(ValueError):
@@ -113,7 +114,7 @@ def _block_causal_core(params, prompt, plen, key, *, cfg: ModelConfig, gen: Reso
         last_h = jnp.where(hit[:, None], _row_take(out.hidden, jnp.clip(j, 0, chunk - 1)), last_h)
         return cache, last_h
 
-    cache = kvc.empty(L, b, hkv, cap0, dh, cache_dtype)
+    cache = constrain_cache(kvc.empty(L, b, hkv, cap0, dh, cache_dtype))  # no-op without a mesh
     last_h = jnp.zeros((b, cfg.hidden_size), params["final_norm"].dtype)
     cache, last_h = jax.lax.fori_loop(0, n_chunks, prefill_chunk, (cache, last_h))
     prev_logits = lm_head(params, cfg, last_h)
@@ -207,7 +208,7 @@ def _block_causal_core(params, prompt, plen, key, *, cfg: ModelConfig, gen: Reso
         blk = st["blk"] + 1
         pending = pending | (policy.schedule(blk, cache) & ~done)
         return dict(
-            cache=cache, prev=prev, start=start + bs, blk=blk, done=done, pending=pending,
+            cache=constrain_cache(cache), prev=prev, start=start + bs, blk=blk, done=done, pending=pending,
             out=out, key=key, nfe=st["nfe"] + jnp.where(active, nfe_b, 0),
             nfe_batch=st["nfe_batch"] + nfe_b,
             peak=jnp.maximum(st["peak"], held_bytes(cache)),
@@ -252,6 +253,7 @@ def _bidirectional_core(params, prompt, plen, key, *, cfg: ModelConfig, gen: Res
                             pos=jnp.where(valid, ppos[None, :, None, :], -1), valid=valid,
                             acc=jnp.zeros(valid.shape, jnp.float32), length=plen.astype(jnp.int32),
                             seen=plen.astype(jnp.int32))
+        cache = constrain_cache(cache)  # no-op without a mesh
         last = lm_head(params, cfg, _row_take(out.hidden, plen - 1))
         return cache, lm_head(params, cfg, out.hidden[:, pb:]), last
 
@@ -354,11 +356,14 @@ def prompt_bucket(n: int, quantum: int = 64) -> int:
 
 
 def generate(model, prompts: Sequence[Sequence[int]], config: GenerationConfig = GenerationConfig(),
-             policy=None, *, jit: bool = True, cache_dtype=None, bucket: int = 64) -> GenerateOutput:
+             policy=None, *, jit: bool = True, cache_dtype=None, bucket: int = 64,
+             mesh=None) -> GenerateOutput:
     """Generate for a ragged batch of token-id prompts with a KV-cache policy (None = Dense).
 
     jit=False runs the very same functions eagerly (a plain-Python debug loop).
     cache_dtype defaults to the params' dtype.
+    mesh: a jax.sharding.Mesh (see maskahead_jax.sharding.make_mesh, e.g. "data=2,model=4"):
+    params / prompts are placed by the sharding rules and the same core runs under the mesh.
     """
     cfg: ModelConfig = model.config
     gen = config.resolve(cfg)
@@ -376,7 +381,11 @@ def generate(model, prompts: Sequence[Sequence[int]], config: GenerationConfig =
     fn = _core_fn(cfg, jit)
     key = jax.random.PRNGKey(config.seed)
     t0 = time.perf_counter()
-    if jit:
+    if mesh is not None:  # sharded run: see maskahead_jax/sharding.py
+        from .sharding import run_sharded
+        res = run_sharded(mesh, fn, model.params, arr, plen, key, jit=jit, cfg=cfg, gen=gen,
+                          policy=policy, cache_dtype=dtype)
+    elif jit:
         res = fn(model.params, jnp.asarray(arr), jnp.asarray(plen), key, cfg=cfg, gen=gen,
                  policy=policy, cache_dtype=dtype)
     else:
