@@ -25,6 +25,10 @@ def available() -> list[str]:
     mk = _registry()
     if mk is None:
         return ["dense"]
+    from .. import policies as P
+
+    if hasattr(P, "names"):
+        return list(P.names())
     out = []
     for n in KNOWN:
         try:

@@ -1,0 +1,181 @@
+"""Systems profile: prefill, decode-stage and end-to-end time, peak KV memory and serving
+capacity for dense / MaskAhead / Q-MaskAhead, side by side in one run; prints JSON.
+
+    maskahead profile --model maskahead_jax/testbed --prompt-len 8192 --out-len 256 --batch 1,8,32
+    maskahead profile --shape fast-dllm-v2-7b --prompt-len 8192 --out-len 256 --batch 1,8,32
+
+Method (same prompt replicated over the batch, fixed output length: stop at EOS off):
+  * every (policy, batch) is run once untimed first (the jit compile), then `repeats` times;
+    the median is reported;
+  * prefill_s  = wall time of a run with max_new_tokens = one block (prefill + the first block;
+    the jitted core has no host sync between them, so the two are not split further);
+  * e2e_s      = wall time of the full run;  decode_s = e2e_s - prefill_s;
+  * decode_ms_per_forward = decode_s / (forwards of the full run - forwards of the prefill run);
+  * decode_tok_s = generated tokens beyond the prefill run / decode_s;
+  * peak KV = the engine's memory accounting (research/maskahead.md §4), summed over the batch;
+  * speedups = dense time / policy time, same run, same batch.
+Serving capacity: the largest batch whose peak KV bytes (per row, which scale linearly with the
+batch) fit `kv_budget_gb`, per policy.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from typing import Optional, Sequence
+
+import numpy as np
+
+from .config import FAMILY_DEFAULTS, GenerationConfig, ModelConfig
+
+# research/models.md §1.1, §2.1, §5
+SHAPES = {
+    "fast-dllm-v2-7b": dict(family="fast_dllm_v2", layout="qwen2", vocab_size=152064, hidden_size=3584,
+                            num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128,
+                            intermediate_size=18944, qkv_bias=True, rope_theta=1e6,
+                            max_position_embeddings=32768),
+    "sdar-8b": dict(family="sdar", layout="qwen3", vocab_size=151936, hidden_size=4096, num_layers=36,
+                    num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=12288, qk_norm=True,
+                    rope_theta=1e6, max_position_embeddings=32768),
+    "llada2-mini": dict(family="llada2", layout="llada2", vocab_size=157184, hidden_size=2048, num_layers=20,
+                        num_heads=16, num_kv_heads=4, head_dim=128, intermediate_size=5120, qk_norm=True,
+                        rotary_dim=64, rope_theta=600000.0, num_experts=256, num_experts_per_tok=8,
+                        moe_intermediate_size=512, num_shared_experts=1, first_k_dense_replace=1,
+                        n_group=8, topk_group=4, routed_scaling_factor=2.5, max_position_embeddings=32768),
+}
+SHAPE_PRESET = {"fast-dllm-v2-7b": "fast-dllm-v2", "sdar-8b": "sdar", "llada2-mini": "llada2-mini"}
+
+
+def shape_config(name: str, num_layers: Optional[int] = None) -> ModelConfig:
+    """ModelConfig of a named real-model shape (optionally with fewer layers for a smoke run)."""
+    key = name.lower()
+    if key not in SHAPES:
+        raise ValueError(f"unknown model shape {name!r}; choose one of {sorted(SHAPES)}")
+    kw = dict(SHAPES[key])
+    attn, shift, rule, mask_id, eos, thr = FAMILY_DEFAULTS[kw["family"]]
+    kw.update(attention=attn, logits_shift=shift, commit_rule=rule, mask_token_id=mask_id,
+              eos_token_ids=tuple(eos), pad_token_id=eos[0], threshold=thr, block_size=32)
+    if num_layers:
+        kw["num_layers"] = int(num_layers)
+        kw["first_k_dense_replace"] = min(kw.get("first_k_dense_replace", 0), int(num_layers))
+    return ModelConfig(**kw)
+
+
+def random_model(cfg: ModelConfig, seed: int = 0, dtype="bfloat16"):
+    """Random bf16 weights for a shape (maskahead_jax.model.init_params)."""
+    import jax
+    import jax.numpy as jnp
+
+    from .api import Model
+    from .model import init_params
+
+    return Model(cfg, init_params(cfg, jax.random.PRNGKey(seed), dtype=jnp.dtype(dtype)))
+
+
+def _prompt(cfg: ModelConfig, n: int, seed: int) -> list:
+    r = np.random.default_rng(seed)
+    bad = {cfg.mask_token_id, *cfg.eos_token_ids, cfg.pad_token_id}
+    hi = cfg.vocab_size
+    ids = r.integers(5, hi, size=n * 2)
+    return [int(t) for t in ids if int(t) not in bad and int(t) < cfg.vocab_size][:n]
+
+
+def _timed(model, prompts, cfg, policy, repeats):
+    from .generate import generate
+
+    generate(model, prompts, cfg, policy)  # compile
+    times, out = [], None
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        out = generate(model, prompts, cfg, policy)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
+
+def profile(model, prompt_len: int, out_len: int, batch_sizes: Sequence[int],
+            policies: Sequence[str] = ("dense", "maskahead", "q-maskahead"), capacity: float = 10.0,
+            gen: Optional[GenerationConfig] = None, repeats: int = 1, kv_budget_gb: float = 40.0,
+            seed: int = 0, log=sys.stderr, policy_kw: Optional[dict] = None) -> dict:
+    """Profile every policy at every batch size; see the module docstring for the method."""
+    import jax
+
+    from .evaluation.policies import make_policy
+
+    cfg: ModelConfig = model.config
+    gen = gen or GenerationConfig()
+    bs = gen.block_size or cfg.block_size
+    if out_len <= bs:
+        raise ValueError(f"out_len {out_len} must exceed one block ({bs}) to split prefill and decode")
+    if prompt_len <= 0:
+        raise ValueError("prompt_len must be positive")
+    prompt = _prompt(cfg, prompt_len, seed)
+    full = dataclasses.replace(gen, max_new_tokens=out_len, stop_at_eos=False)
+    pre = dataclasses.replace(gen, max_new_tokens=bs, stop_at_eos=False)
+    res = dict(prompt_len=prompt_len, out_len=out_len, batch_sizes=list(batch_sizes), capacity_pct=capacity,
+               repeats=repeats, backend=jax.default_backend(), device=str(jax.devices()[0]),
+               dtype=str(model.params["embed"].dtype), block_size=bs, runs=[], skipped=[], serving={})
+    pols = {}
+    for p in policies:
+        try:
+            pols[p] = make_policy(p, capacity, **({} if p == "dense" else (policy_kw or {})))
+        except Exception as e:
+            res["skipped"].append(dict(policy=p, reason=str(e)))
+    per_row_peak = {}
+    for b in batch_sizes:
+        prompts = [prompt] * int(b)
+        base = None
+        for p, pol in pols.items():
+            try:
+                t_pre, o_pre = _timed(model, prompts, pre, pol, repeats)
+                t_e2e, o = _timed(model, prompts, full, pol, repeats)
+            except Exception as e:  # e.g. out of memory at a large batch
+                res["skipped"].append(dict(policy=p, batch=b, reason=f"{type(e).__name__}: {str(e)[:300]}"))
+                continue
+            st = o.stats
+            fw = max(1, st["nfe_batch"] - o_pre.stats["nfe_batch"])
+            tok_dec = sum(len(t) for t in o.tokens) - sum(len(t) for t in o_pre.tokens)
+            dec = max(t_e2e - t_pre, 1e-9)
+            run = dict(policy=p, batch=int(b), prefill_s=t_pre, decode_s=dec, e2e_s=t_e2e,
+                       forwards=st["nfe_batch"], decode_forwards=fw, decode_ms_per_forward=1e3 * dec / fw,
+                       decode_tok_s=tok_dec / dec, e2e_tok_s=sum(len(t) for t in o.tokens) / t_e2e,
+                       kv_peak_bytes=float(sum(st["kv_bytes_peak"])),
+                       dense_peak_bytes=float(sum(st["dense_bytes_peak"])),
+                       kv_final_bytes=float(sum(st["kv_bytes_final"])),
+                       reduction_peak=float(np.mean(st["reduction_peak"])),
+                       reduction_final=float(np.mean(st["reduction_final"])))
+            per_row_peak[p] = max(st["kv_bytes_peak"])
+            if p == "dense":
+                base = run
+            if base is not None:
+                run.update(speedup_decode=base["decode_s"] / dec, speedup_e2e=base["e2e_s"] / t_e2e,
+                           speedup_prefill=base["prefill_s"] / t_pre)
+            res["runs"].append(run)
+            print(f"[profile] {p} batch={b}: prefill {t_pre:.3f}s decode {dec:.3f}s e2e {t_e2e:.3f}s "
+                  f"peak KV {run['kv_peak_bytes'] / 2**20:.1f} MiB", file=log, flush=True)
+    res["serving"] = serving_capacity(per_row_peak, kv_budget_gb)
+    return res
+
+
+def serving_capacity(per_row_peak_bytes: dict, kv_budget_gb: float) -> dict:
+    """{policy: per-row peak bytes} -> the largest batch whose KV fits kv_budget_gb (GiB)."""
+    budget = kv_budget_gb * 2 ** 30
+    out = {"kv_budget_gb": kv_budget_gb}
+    for p, v in per_row_peak_bytes.items():
+        out[p] = dict(per_row_peak_bytes=float(v), max_batch=int(budget // max(float(v), 1.0)))
+    if "dense" in per_row_peak_bytes:
+        d = out["dense"]["max_batch"]
+        for p in per_row_peak_bytes:
+            out[p]["vs_dense"] = out[p]["max_batch"] / max(d, 1)
+    return out
+
+
+def main(argv=None) -> int:
+    from .cli import main as cli_main
+
+    return cli_main(["profile"] + list(argv if argv is not None else sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

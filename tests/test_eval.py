@@ -1,0 +1,257 @@
+"""Evaluation harness: sign tests, LongBench formatting / truncation, math loader, presets, and a
+tiny policy x budget sweep that resumes after an interruption and writes its table and plots."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from maskahead_jax.evaluation import datasets as D
+from maskahead_jax.evaluation import plots as PL
+from maskahead_jax.evaluation import policies as PO
+from maskahead_jax.evaluation.presets import preset_config
+from maskahead_jax.evaluation.stats import paired_sign_test, sign_test
+from maskahead_jax.evaluation.sweep import load_rows, run_sweep, to_markdown
+from maskahead_jax.policies import Dense
+from tiny import tiny_model
+
+
+# ----------------------------------------------------------------------------- sign test
+def test_sign_test_hand_values():
+    assert sign_test(0, 0) == 1.0
+    assert sign_test(5, 0) == pytest.approx(2 / 32)  # 2 * 0.5^5
+    assert sign_test(0, 5) == pytest.approx(2 / 32)
+    assert sign_test(1, 9) == pytest.approx(2 * (1 + 10) / 1024)  # 0.021484375
+    assert sign_test(2, 8) == pytest.approx(2 * (1 + 10 + 45) / 1024)  # 0.109375
+    assert sign_test(3, 3) == 1.0  # clipped at 1
+    assert sign_test(10, 0) == pytest.approx(2 / 1024)
+    with pytest.raises(ValueError):
+        sign_test(-1, 2)
+
+
+def test_paired_sign_test_drops_ties_and_unpaired():
+    a = {"x": 1.0, "y": 0.0, "z": 0.5, "w": 1.0, "only_a": 1.0}
+    b = {"x": 0.0, "y": 0.0, "z": 0.0, "w": 0.0, "only_b": 0.0}
+    t = paired_sign_test(a, b)
+    assert (t["n"], t["wins"], t["losses"], t["ties"]) == (4, 3, 0, 1)
+    assert t["p"] == pytest.approx(2 / 8)
+
+
+# ----------------------------------------------------------------------------- LongBench
+class WordTok(D.Tokenizer):
+    """Whitespace tokenizer (exact round trip) with an optional fake chat template."""
+
+    def __init__(self, chat=True):
+        super().__init__(None, hf=False, name="word")
+        self.vocab, self.inv, self._chat = {}, {}, chat
+
+    @property
+    def has_chat_template(self):
+        return self._chat
+
+    def encode(self, text, add_special_tokens=True):
+        out = []
+        for w in text.split(" "):
+            if w not in self.vocab:
+                self.vocab[w] = len(self.vocab) + 10
+                self.inv[self.vocab[w]] = w
+            out.append(self.vocab[w])
+        return ([1] if add_special_tokens else []) + out
+
+    def decode(self, ids):
+        return " ".join(self.inv[i] for i in ids if i in self.inv)
+
+    def chat(self, text):
+        return "<user> " + text + " <assistant>"
+
+
+def _write_jsonl(path, recs):
+    with open(path, "w") as f:
+        for r in recs:
+            f.write(json.dumps(r) + "\n")
+
+
+def test_middle_truncate():
+    ids = list(range(10))
+    assert D.middle_truncate(ids, 4) == [0, 1, 8, 9]
+    assert D.middle_truncate(ids, 5) == [0, 1, 8, 9]  # int(5 / 2) per side, as LongBench
+    assert D.middle_truncate(ids, 10) == ids
+    with pytest.raises(ValueError):
+        D.middle_truncate(ids, 0)
+
+
+def test_longbench_prompt_truncation_chat_and_metric(tmp_path):
+    ctx = " ".join(f"w{i}" for i in range(200))
+    _write_jsonl(tmp_path / "hotpotqa.jsonl", [
+        {"input": "who won ?", "context": ctx, "answers": ["the red team"], "_id": "h1", "all_classes": None},
+        {"input": "short ?", "context": "tiny context", "answers": ["yes"], "_id": "h2"}])
+    _write_jsonl(tmp_path / "trec_e.jsonl", [
+        {"input": "What is X ?", "context": "Q: a\nType: b", "answers": ["Entity"], "_id": "t1",
+         "all_classes": ["Entity", "Location"]}])
+    tok = WordTok()
+    exs = D.load_longbench(str(tmp_path), tok, max_length=64)
+    by = {e.id: e for e in exs}
+    assert set(by) == {"hotpotqa/h1", "hotpotqa/h2", "trec/t1"}
+    h1, h2, t1 = by["hotpotqa/h1"], by["hotpotqa/h2"], by["trec/t1"]
+    assert h1.max_new_tokens == 32 and t1.max_new_tokens == 64
+    # h1: template words > 64 -> first 32 + last 32 words, then the chat template
+    full = D.LONGBENCH_PROMPTS["hotpotqa"].format(context=ctx, input="who won ?")
+    words = full.split(" ")
+    assert h1.meta["truncated"] and h1.meta["n_prompt_raw"] == len(words)
+    text = tok.decode(h1.ids)
+    assert text.startswith("<user> " + " ".join(words[:32]))
+    assert text.endswith(" ".join(words[-32:]) + " <assistant>")
+    # the two decoded halves are joined as strings (pred.py), so with this whitespace tokenizer
+    # the two words at the seam fuse into one token: 63 + the two chat markers
+    assert len(h1.ids) == 63 + 2
+    # h2: short, kept whole; the template is the official one
+    assert tok.decode(h2.ids) == "<user> " + D.LONGBENCH_PROMPTS["hotpotqa"].format(
+        context="tiny context", input="short ?") + " <assistant>"
+    assert not h2.meta["truncated"]
+    # trec: no chat template (LongBench pred.py), [BOS] from encode
+    assert t1.ids[0] == 1 and "<user>" not in tok.decode(t1.ids)
+    # metric dispatch: QA F1 and classification
+    assert D.score_example(h1, "The red team.") == pytest.approx(1.0)
+    assert D.score_example(h1, "red") == pytest.approx(2 * 1 * 0.5 / 1.5)  # P=1, R=1/2
+    assert D.score_example(t1, "Entity") == 1.0
+    with pytest.raises(ValueError):
+        D.longbench_examples([{"context": "x", "answers": ["y"]}], "nosuch", tok, 10)
+    bad = tmp_path / "bad" / "hotpotqa.jsonl"
+    bad.parent.mkdir()
+    bad.write_text("{not json\n")
+    with pytest.raises(ValueError, match="not a JSON line"):
+        D.load_longbench(str(bad), tok, 64)
+
+
+def test_math_loader_boxed(tmp_path):
+    _write_jsonl(tmp_path / "gsm8k.jsonl", [
+        {"question": "2 + 2 ?", "answer": "two and two\n#### 1,234"},
+        {"problem": "x ?", "solution": "so \\boxed{\\frac{1}{2}}", "unique_id": "m/1"}])
+    exs = D.load_math(str(tmp_path / "gsm8k.jsonl"), WordTok(chat=False), max_new_tokens=16)
+    assert [e.answers[0] for e in exs] == ["1234", "\\frac{1}{2}"]
+    assert exs[1].id == "gsm8k/m/1" and exs[0].max_new_tokens == 16
+    assert D.score_example(exs[0], "the answer is \\boxed{1234}.") == 1.0
+    assert D.score_example(exs[0], "\\boxed{1235}") == 0.0
+    assert D.score_example(exs[1], "\\boxed{\\dfrac{1}{2}}") == 1.0
+
+
+def test_presets():
+    m = tiny_model("fast_dllm_v2", block_size=32)
+    r = preset_config("fast-dllm-v2", max_new_tokens=64).resolve(m.config)
+    assert (r.block_size, r.sub_block_size, r.threshold, r.commit_rule) == (32, 8, 0.95, "fast_dllm")
+    r = preset_config("dream-reasoner", 32).resolve(m.config)
+    assert (r.threshold, r.steps_per_block, r.commit_rule) == (0.9, 32, "dream_reasoner")
+    assert preset_config("sdar").threshold == 0.85 and preset_config("LLaDA2.0-mini").threshold == 0.95
+    assert preset_config("sdar", threshold=0.7).threshold == 0.7
+    with pytest.raises(ValueError, match="unknown preset"):
+        preset_config("gpt")
+
+
+def test_policy_errors():
+    with pytest.raises(PO.PolicyError):
+        PO.make_policy("no-such-policy", 10)
+    with pytest.raises(PO.PolicyError):
+        PO.make_policy("dense", 0)
+    with pytest.raises(PO.PolicyError):
+        PO.parse_capacities("5,abc")
+    with pytest.raises(PO.PolicyError):
+        PO.parse_capacities("150")
+    assert PO.parse_capacities("5,10") == [5.0, 10.0]
+    assert isinstance(PO.make_policy("dense"), Dense)
+    assert "dense" in PO.available()
+
+
+# ----------------------------------------------------------------------------- sweep
+class NumTok:
+    def decode(self, ids):
+        return " ".join(str(i) for i in ids)
+
+
+def _examples(n_per=1):
+    r = np.random.default_rng(0)
+    out = []
+    for length in (40, 56):  # one prompt bucket (64): one compile per policy
+        for depth in (0.0, 1.0):
+            for s in range(n_per):
+                ids = [int(x) for x in r.integers(0, 45, size=length)]
+                out.append(D.EvalExample(
+                    id=f"niah/{length}/{depth}/{s}", dataset="niah", ids=ids, answers=["7"],
+                    max_new_tokens=8, kind="testbed",
+                    meta=dict(task="passkey", length=length, depth=depth, seed=s)))
+    return out
+
+
+def _second_policy():
+    """MaskAhead with floors small enough to evict on tiny prompts, if the registry has it."""
+    try:
+        kw = dict(capacity_floor=12, topk_floor=4, recent=8, sinks=2, interval_blocks=1, lookahead_blocks=2)
+        PO.make_policy("maskahead", 10, **kw)
+        return "maskahead", lambda p, c: PO.make_policy(p, c, **({} if p == "dense" else kw))
+    except Exception:
+        return "dense2", lambda p, c: Dense()
+
+
+def test_sweep_resumes_and_reports(tmp_path):
+    model = tiny_model("sdar")
+    exs = _examples()
+    second, factory = _second_policy()
+    out = str(tmp_path / "sweep")
+    kw = dict(batch_size=2, policy_factory=factory, progress=False, strict=True)
+    # "interrupted" run: half of the examples
+    r1 = run_sweep(model, exs[:2], ["dense", second], [5, 20], out, NumTok(), **kw)
+    assert len(r1.rows) == 3 * 2 and not r1.errors
+    # a write cut midway leaves a partial line behind
+    with open(os.path.join(out, "results.jsonl"), "a") as f:
+        f.write('{"policy": "dense", "capa')
+    r2 = run_sweep(model, exs, ["dense", second], [5, 20], out, NumTok(), **kw)
+    rows = load_rows(os.path.join(out, "results.jsonl"))
+    keys = [(r["policy"], r["capacity"], r["id"]) for r in rows]
+    assert len(keys) == len(set(keys)) == 3 * len(exs)
+    with open(os.path.join(out, "results.jsonl")) as f:
+        assert sum(1 for line in f if line.strip()) == 3 * len(exs)
+    # rows of the first run are kept unchanged (not recomputed)
+    first = {(r["policy"], r["capacity"], r["id"]): r["batch_wall_s"] for r in r1.rows}
+    assert all(r["batch_wall_s"] == first[k] for r, k in zip(rows, keys) if k in first)
+    for r in rows:
+        assert {"prediction", "score", "reduction_final", "reduction_peak", "nfe"} <= set(r)
+        assert 0.0 <= r["score"] <= 1.0 and r["nfe"] > 0
+    s = r2.summary
+    assert [(x["policy"], x["capacity"]) for x in s["runs"]][0] == ("dense", None)
+    assert len(s["runs"]) == 3
+    for x in s["runs"][1:]:
+        assert x["vs_dense"]["n"] == len(exs)
+        if second == "maskahead":
+            assert x["reduction_final"] > 1.0
+    for k in ("summary_md", "summary_json", "pareto", "needle_niah"):
+        assert os.path.getsize(r2.paths[k]) > 0, k
+    md = open(r2.paths["summary_md"]).read()
+    assert "| dense | full | 4 |" in md and "KV red. end" in md
+    json.load(open(r2.paths["summary_json"]))
+    # a third run has nothing left to do
+    r3 = run_sweep(model, exs, ["dense", second], [5, 20], out, NumTok(), **kw)
+    assert len(r3.rows) == 3 * len(exs)
+
+
+def test_sweep_rejects_bad_input(tmp_path):
+    model = tiny_model("sdar")
+    exs = _examples()
+    with pytest.raises(ValueError):
+        run_sweep(model, [], ["dense"], [None], str(tmp_path), NumTok())
+    with pytest.raises(ValueError):
+        run_sweep(model, exs + exs[:1], ["dense"], [None], str(tmp_path), NumTok())
+    r = run_sweep(model, exs[:1], ["dense", "no-such-policy"], [10], str(tmp_path), NumTok(),
+                  progress=False, plots=False)
+    assert r.errors and r.errors[0]["policy"] == "no-such-policy"
+    assert "error: no-such-policy" in to_markdown(r.summary)
+
+
+def test_budget_plot_when_exposed(tmp_path):
+    class Fake:
+        layer_budgets = [4, 8, 2]
+        head_budgets = [[1, 3], [4, 4], [1, 1]]
+
+    b = PO.policy_budgets(Fake(), {})
+    assert b["layer"] == [4.0, 8.0, 2.0] and np.asarray(b["head"]).shape == (3, 2)
+    assert PO.policy_budgets(Dense(), {"nfe": [1]}) is None
+    paths = PL.budget_plots({"maskkv@5": b}, str(tmp_path))
+    assert os.path.getsize(paths["budgets_maskkv_5"]) > 0
