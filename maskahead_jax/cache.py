@@ -33,6 +33,10 @@ class KVCache(NamedTuple):
         """Layers [start, stop) of the cache as the Context a block reads."""
         return Context(self.k[start:stop], self.v[start:stop], self.valid[start:stop])
 
+    def layers(self, start: int, stop: int) -> "KVCache":
+        """The same cache restricted to layers [start, stop)."""
+        return self._replace(**{f: getattr(self, f)[start:stop] for f in ("k", "v", "pos", "valid", "acc")})
+
     def live(self) -> jax.Array:
         """[L, B, Hkv] number of kept entries per lane."""
         return self.valid.sum(-1).astype(jnp.int32)

@@ -67,11 +67,23 @@ def _bucket(n: int, quantum: int) -> int:
 
 
 # ----------------------------------------------------------------------------- block-causal
-def _probe_mass(params, cfg: ModelConfig, policy, cache, x0, start, active):
-    """Lookahead probe: [current block (step-0 state) | (M-1) mask blocks] at the next positions,
-    dense over the pre-eviction cache, block-causal among the probe blocks, writes nothing.
-    Returns the probe mass per layer [L, B, Hkv, N], scaled by the number of probe blocks."""
+def _probe_mass(params, cfg: ModelConfig, policy, cache, x0, start, active, padded, n_pre):
+    """The eviction probe; writes nothing to the cache. Returns mass per layer [L, B, Hkv, N].
+
+    lookahead (MaskAhead): [current block (step-0 state) | (M-1) mask blocks] at the next
+        positions, dense over the pre-eviction cache, block-causal among the probe blocks; the
+        mass of the M-1 lookahead blocks' queries, scaled by M-1.
+    prompt_window (SnapKV): the last W prompt tokens at their own positions, all rows pooled.
+    """
     b, bs = x0.shape
+    if policy.probe_kind == "prompt_window":
+        w = policy.window
+        idx = jnp.maximum(n_pre[:, None] - w + jnp.arange(w)[None], 0)
+        toks = jnp.take_along_axis(padded, idx, axis=1)
+        rows = (n_pre[:, None] - w + jnp.arange(w)[None] >= 0) & active[:, None]
+        out = model_step(params, cfg, toks, idx.astype(jnp.int32), _mask_all(b, w),
+                         _dense_segments(cache, cfg.num_layers), rows)
+        return out.mass
     m = policy.lookahead_blocks
     toks = jnp.concatenate([x0, jnp.full((b, (m - 1) * bs), cfg.mask_token_id, jnp.int32)], axis=1)
     pos = start[:, None] + jnp.arange(m * bs, dtype=jnp.int32)[None]
@@ -91,7 +103,7 @@ def _block_causal_core(params, prompt, plen, key, *, cfg: ModelConfig, gen: Reso
     nblk = math.ceil((bs - 1 + gen.max_new_tokens) / bs)
     prompt_cap = n_chunks * chunk
     total_cap = max(prompt_cap, pb + (nblk + 1) * bs)
-    cap0, cap1 = policy.plan(prompt_cap, total_cap)
+    cap0, cap1 = policy.plan(prompt_cap, total_cap, bs)
     per_tok = memory.float_bytes_per_token(dh, cache_dtype)
     dense_bytes = lambda c: memory.bf16_dense_bytes(L, hkv, dh, c.seen)
     held_bytes = lambda c: memory.row_bytes(c.valid, per_tok, policy.with_state)
@@ -143,7 +155,7 @@ def _block_causal_core(params, prompt, plen, key, *, cfg: ModelConfig, gen: Reso
         m0 = (x == mask_id).sum(-1)
         key, k0 = jax.random.split(st["key"])
         # ---- step 0: exact dense attention over the whole cache (+ scoring stats)
-        rows = ((x == mask_id) & active[:, None]) if policy.needs_stats else None
+        rows = policy.stat_rows(x == mask_id, active) if policy.needs_stats else None
         out0 = model_step(params, cfg, x, pos, _mask_all(b, bs), _dense_segments(cache, L), rows)
         logits = lm_head(params, cfg, out0.hidden)
         if cfg.logits_shift:
@@ -159,7 +171,7 @@ def _block_causal_core(params, prompt, plen, key, *, cfg: ModelConfig, gen: Reso
             do = jnp.any(pending & active)
 
             def evict(c):
-                probe = (_probe_mass(params, cfg, policy, c, x0, start, active)
+                probe = (_probe_mass(params, cfg, policy, c, x0, start, active, padded, n_pre)
                          if policy.needs_probe else None)
                 cap = policy.capacity(c.seen)
                 keep = jnp.where(pending & active, jnp.minimum(c.length, cap), c.length)

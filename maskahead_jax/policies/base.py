@@ -35,9 +35,18 @@ class Dense:
     evicts = False
     with_state = False
     compresses_prompt = False
+    probe_kind = "lookahead"
 
-    def plan(self, prompt_cap: int, total_cap: int) -> tuple[int, int]:
+    def stat_rows(self, masked, active):
+        """[B, T] which step-0 queries are pooled into the statistics (all masked ones)."""
+        return masked & active[:, None]
+
+    def plan(self, prompt_cap: int, total_cap: int, block_size: int) -> tuple[int, int]:
+        """(capacity while prefilling, capacity while decoding); total_cap holds everything."""
         return total_cap, total_cap
+
+    def capacity(self, seen):
+        return seen
 
     def select(self, cache: KVCache, num_layers: int, mass, score):
         """None: every layer reads the whole cache. Else (n_dense, Context of layers n_dense..L)."""
