@@ -94,7 +94,7 @@ def _probe_mass(params, cfg: ModelConfig, policy, cache, x0, start, active, padd
 
 
 def _block_causal_core(params, prompt, plen, key, *, cfg: ModelConfig, gen: ResolvedGeneration,
-                       policy, cache_dtype):
+                       policy, cache_dtype, phase: str = "all"):
     b, pb = prompt.shape
     bs, chunk = gen.block_size, gen.prefill_chunk
     L, hkv, dh = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
@@ -130,6 +130,8 @@ def _block_causal_core(params, prompt, plen, key, *, cfg: ModelConfig, gen: Reso
     last_h = jnp.zeros((b, cfg.hidden_size), params["final_norm"].dtype)
     cache, last_h = jax.lax.fori_loop(0, n_chunks, prefill_chunk, (cache, last_h))
     prev_logits = lm_head(params, cfg, last_h)
+    if phase == "prefill":  # timing runs: stop after the prompt is in the cache
+        return dict(prev=prev_logits, kv_bytes=held_bytes(cache))
 
     # first block: prompt tail then masks
     idx = n_pre[:, None] + jnp.arange(bs)[None]
@@ -240,7 +242,7 @@ def _block_causal_core(params, prompt, plen, key, *, cfg: ModelConfig, gen: Reso
 
 # ----------------------------------------------------------------------------- bidirectional
 def _bidirectional_core(params, prompt, plen, key, *, cfg: ModelConfig, gen: ResolvedGeneration,
-                        policy, cache_dtype):
+                        policy, cache_dtype, phase: str = "all"):
     b, pb = prompt.shape
     bs = gen.block_size
     L, hkv, dh = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
@@ -275,6 +277,8 @@ def _bidirectional_core(params, prompt, plen, key, *, cfg: ModelConfig, gen: Res
 
     resp0 = jnp.full((b, g), mask_id, jnp.int32)
     cache, logits, last = full_pass(resp0)
+    if phase == "prefill":  # timing runs: the first full pass builds the prompt cache
+        return dict(prev=last, kv_bytes=memory.row_bytes(cache.valid, per_tok, policy.with_state))
     nfe = jnp.int32(1)
     peak_bytes = memory.row_bytes(cache.valid, per_tok, policy.with_state)
     if policy.compresses_prompt:  # MaskKV: one-shot compression with the response's mask queries
@@ -338,7 +342,7 @@ def _core_fn(cfg: ModelConfig, jit: bool):
     if not jit:
         return fn
     if fn not in _CORES:
-        _CORES[fn] = jax.jit(fn, static_argnames=("cfg", "gen", "policy", "cache_dtype"))
+        _CORES[fn] = jax.jit(fn, static_argnames=("cfg", "gen", "policy", "cache_dtype", "phase"))
     return _CORES[fn]
 
 
@@ -392,21 +396,46 @@ def generate(model, prompts: Sequence[Sequence[int]], config: GenerationConfig =
     plen = np.array([len(p) for p in prompts], np.int32)
     fn = _core_fn(cfg, jit)
     key = jax.random.PRNGKey(config.seed)
-    t0 = time.perf_counter()
-    if mesh is not None:  # sharded run: see maskahead_jax/sharding.py
-        from .sharding import run_sharded
-        res = run_sharded(mesh, fn, model.params, arr, plen, key, jit=jit, cfg=cfg, gen=gen,
-                          policy=policy, cache_dtype=dtype)
-    elif jit:
-        res = fn(model.params, jnp.asarray(arr), jnp.asarray(plen), key, cfg=cfg, gen=gen,
-                 policy=policy, cache_dtype=dtype)
+    args = (model.params, jnp.asarray(arr), jnp.asarray(plen), key)
+    static = dict(cfg=cfg, gen=gen, policy=policy, cache_dtype=dtype)
+    timings = {}
+    if config.timings and jit and mesh is None:
+        res, timings = _timed_run(fn, args, static)
     else:
-        with jax.disable_jit():
-            res = fn(model.params, jnp.asarray(arr), jnp.asarray(plen), key, cfg=cfg, gen=gen,
-                     policy=policy, cache_dtype=dtype)
-    res = jax.tree_util.tree_map(np.asarray, jax.block_until_ready(res))
-    wall = time.perf_counter() - t0
-    return _finish(res, prompts, cfg, gen, wall, policy)
+        t0 = time.perf_counter()
+        if mesh is not None:  # sharded run: see maskahead_jax/sharding.py
+            from .sharding import run_sharded
+            res = run_sharded(mesh, fn, model.params, arr, plen, key, jit=jit, **static)
+        elif jit:
+            res = fn(*args, **static)
+        else:
+            with jax.disable_jit():
+                res = fn(*args, **static)
+        res = jax.block_until_ready(res)
+        timings = dict(total_s=time.perf_counter() - t0)
+    res = jax.tree_util.tree_map(np.asarray, res)
+    wall = timings["total_s"]
+    out = _finish(res, prompts, cfg, gen, wall, policy)
+    out.stats["timings"] = timings
+    return out
+
+
+def _timed_run(fn, args, static):
+    """Per-phase wall times: compile (ahead of time), prefill (a prefill-only program of the same
+    shapes), end to end, and decode = end to end - prefill. Each phase is compiled before timing."""
+    t0 = time.perf_counter()
+    full = fn.lower(*args, **static).compile()
+    compile_s = time.perf_counter() - t0
+    pre = fn.lower(*args, phase="prefill", **static).compile()
+    jax.block_until_ready(pre(*args))  # warm
+    t0 = time.perf_counter()
+    jax.block_until_ready(pre(*args))
+    prefill_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    res = jax.block_until_ready(full(*args))
+    total_s = time.perf_counter() - t0
+    return res, dict(compile_s=compile_s, prefill_s=prefill_s, total_s=total_s,
+                     decode_s=max(total_s - prefill_s, 0.0))
 
 
 def _finish(res, prompts, cfg: ModelConfig, gen: ResolvedGeneration, wall, policy) -> GenerateOutput:
