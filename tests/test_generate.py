@@ -87,3 +87,14 @@ def test_compiles_once_for_different_block_counts():
         sizes.add(G._core_fn(m.config, True)._cache_size())
     assert len(sizes) == 1  # the first call compiled; no later call added an entry
     assert min(blocks) <= 2 and max(blocks) >= 6, blocks
+
+
+def test_bench_generate_prints_json(capsys):
+    import json
+
+    from experiments import bench_generate
+
+    bench_generate.main(["--prompt-len", "40", "--gen-len", "8", "--policy", "maskahead"])
+    res = json.loads(capsys.readouterr().out)
+    assert res["nfe"] > 0 and res["tokens_per_s"] > 0 and res["kv_bytes_peak"] > 0
+    assert res["compile_s"] > 0 and res["decode_s"] >= 0
