@@ -308,25 +308,48 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
-def per_device_bytes(shape: Sequence[int], dtype, sharding: NamedSharding) -> int:
-    """Bytes one device holds of an array of `shape` under `sharding`."""
-    return int(math.prod(sharding.shard_shape(tuple(shape))) * jnp.dtype(dtype).itemsize)
+def shard_shape(shape: Sequence[int], spec: P, mesh) -> tuple[int, ...]:
+    """Per-device shape of an array of `shape` laid out by `spec` on `mesh` (Mesh or AbstractMesh)."""
+    sizes = mesh_sizes(mesh)
+    out = list(shape)
+    for i, ax in enumerate(tuple(spec)):
+        for a in ((ax,) if isinstance(ax, str) else (ax or ())):
+            out[i] = -(-out[i] // sizes[a])
+    return tuple(out)
 
 
-def kv_bytes_per_device(cfg: ModelConfig, batch: int, capacity: int, mesh: Mesh, dtype=jnp.bfloat16,
+def abstract_mesh(spec: Union[str, Mapping[str, int]]) -> "jax.sharding.AbstractMesh":
+    """A device-free AbstractMesh with the same axes as `make_mesh(spec)` (for planning)."""
+    sizes = parse_mesh(spec)
+    return jax.sharding.AbstractMesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES,
+                                     axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def kv_bytes_per_device(cfg: ModelConfig, batch: int, capacity: int, mesh, dtype=jnp.bfloat16,
                         rules: Mapping[str, Optional[str]] = RULES) -> dict:
     """Per-device and global bytes of a float KV cache (k, v, pos, valid, acc) of `capacity`
-    slots under the rule shardings (measured from the shardings' shard shapes)."""
+    slots under the rule shardings (from the shard shapes; `mesh` may be an AbstractMesh)."""
     L, h, d = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
     fields = {"k": ((L, batch, h, capacity, d), dtype), "v": ((L, batch, h, capacity, d), dtype),
               "pos": ((L, batch, h, capacity), jnp.int32), "valid": ((L, batch, h, capacity), jnp.bool_),
               "acc": ((L, batch, h, capacity), jnp.float32)}
     per = glob = 0
     for shape, dt in fields.values():
-        s = NamedSharding(mesh, cache_spec(shape, mesh, rules))
-        per += per_device_bytes(shape, dt, s)
-        glob += int(math.prod(shape) * jnp.dtype(dt).itemsize)
-    return {"per_device": per, "global": glob, "shards": glob / max(per, 1)}
+        item = jnp.dtype(dt).itemsize
+        per += math.prod(shard_shape(shape, cache_spec(shape, mesh, rules), mesh)) * item
+        glob += math.prod(shape) * item
+    return {"per_device": int(per), "global": int(glob), "shards": glob / max(per, 1)}
+
+
+def array_bytes_per_device(tree) -> int:
+    """Largest per-device byte count of a pytree of (possibly sharded) jax arrays, measured from
+    the arrays' own shardings."""
+    per: dict = {}
+    for a in jax.tree_util.tree_leaves(tree):
+        if isinstance(a, jax.Array):
+            for sh in a.addressable_shards:
+                per[sh.device] = per.get(sh.device, 0) + sh.data.nbytes
+    return max(per.values(), default=0)
 
 
 # ----------------------------------------------------------------------------- generate hooks

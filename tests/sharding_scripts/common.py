@@ -1,0 +1,48 @@
+"""Shared setup for the sharding helper scripts: they run in their own process so that
+XLA_FLAGS=--xla_force_host_platform_device_count=N is set before jax initialises."""
+from __future__ import annotations
+
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+
+def setup(n_devices: int | None = None) -> None:
+    if n_devices:
+        flags = os.environ.get("XLA_FLAGS", "")
+        if "xla_force_host_platform_device_count" not in flags:
+            os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n_devices}".strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    for p in (ROOT, os.path.join(ROOT, "tests")):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+
+
+def prompts(lens, seed=0):
+    import numpy as np
+
+    rng = np.random.RandomState(seed)
+    return [list(map(int, rng.randint(0, 40, size=n))) for n in lens]
+
+
+# small MaskAhead budgets that make selection and eviction fire on tiny models
+SMALL = dict(capacity_pct=10, capacity_floor=24, topk_pct=5, topk_floor=16, dense_layers=1, sinks=2,
+             recent=8, interval_blocks=2, lookahead_blocks=3)
+
+
+def make_policy(name: str):
+    """(policy, None) or (None, reason it is unavailable)."""
+    if name == "dense":
+        return None, None
+    try:
+        from maskahead_jax import policies
+    except Exception as e:  # pragma: no cover
+        return None, f"maskahead_jax.policies does not import: {e!r}"
+    if not hasattr(policies, "make"):
+        return None, "maskahead_jax.policies.make does not exist yet"
+    try:
+        return policies.make(name, **SMALL), None
+    except Exception as e:
+        return None, f"policies.make({name!r}, ...) failed: {e!r}"

@@ -1,0 +1,249 @@
+"""Sharded inference (maskahead_jax.sharding): rules and fallbacks in-process; everything that
+needs several devices runs in a subprocess with XLA_FLAGS=--xla_force_host_platform_device_count
+set before jax initialises (tests/sharding_scripts/*.py, each prints JSON lines).
+
+Run just these:  pytest tests/test_sharding.py -q   (the multi-device parity cases take a few
+minutes on 2 CPU cores; `-k "not mp_"` keeps only the fast in-process ones).
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from maskahead_jax import cache as kvc
+from maskahead_jax import sharding as shd
+from maskahead_jax.model import param_shapes
+from tiny import FAMILIES, tiny_model
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPTS = os.path.join(HERE, "sharding_scripts")
+ALL_FAMILIES = list(FAMILIES)
+
+
+def _env(devices=None):
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    if devices:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), HERE, env.get("PYTHONPATH", "")])
+    return env
+
+
+def _run(script, *args, devices=8, timeout=900):
+    """Run a helper script in its own process; returns its JSON lines."""
+    p = subprocess.run([sys.executable, os.path.join(SCRIPTS, script), "--devices", str(devices), *args],
+                       cwd=SCRIPTS, env=_env(devices), capture_output=True, text=True, timeout=timeout)
+    if p.returncode != 0:
+        raise AssertionError(f"{script} {' '.join(args)} failed ({p.returncode}):\n{p.stderr[-4000:]}")
+    return [json.loads(l) for l in p.stdout.splitlines() if l.startswith("{")]
+
+
+# ----------------------------------------------------------------------------- in-process
+def test_parse_mesh():
+    assert shd.parse_mesh("data=2,model=4") == {"data": 2, "seq": 1, "model": 4}
+    assert shd.parse_mesh("model=2, seq=4") == {"data": 1, "seq": 4, "model": 2}
+    assert shd.parse_mesh({"data": 8}) == {"data": 8, "seq": 1, "model": 1}
+    assert shd.parse_mesh("") == {"data": 1, "seq": 1, "model": 1}
+    n = jax.device_count()
+    assert shd.parse_mesh("data=-1") == {"data": n, "seq": 1, "model": 1}
+    for bad in ("data=2,data=2", "tensor=2", "data=0", "data", "data=-1,model=-1"):
+        with pytest.raises(ValueError):
+            shd.parse_mesh(bad)
+
+
+def test_make_mesh_axis_types_and_device_errors():
+    mesh = shd.make_mesh("data=1")
+    assert mesh.axis_names == shd.MESH_AXES
+    assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
+    with pytest.raises(ValueError, match="xla_force_host_platform_device_count"):
+        shd.make_mesh(f"data={jax.device_count() + 1}")
+
+
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+def test_param_specs_cover_param_shapes(family):
+    cfg = tiny_model(family, num_heads=8, num_kv_heads=4).config
+    mesh = shd.abstract_mesh("data=2,model=4")
+    specs = shd.param_specs(cfg, mesh)
+    is_shape = lambda x: isinstance(x, tuple) and all(isinstance(i, int) for i in x)
+    s_paths = {jax.tree_util.keystr(k) for k, _ in
+               jax.tree_util.tree_flatten_with_path(param_shapes(cfg), is_leaf=is_shape)[0]}
+    p_paths = {jax.tree_util.keystr(k) for k, _ in
+               jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, P))[0]}
+    assert s_paths == p_paths
+    stack = specs.get("layers") or specs["moe_layers"]
+    assert stack["wq"] == P(None, None, "model") and stack["wk"] == P(None, None, "model")
+    assert stack["wo"] == P(None, "model")
+    assert specs["embed"] == P()
+    if "moe_layers" in specs:
+        ex = specs["moe_layers"]["moe"]["experts"]
+        assert ex["gate"] == P(None, "model") and ex["down"] == P(None, "model")  # expert parallel
+        assert specs["moe_layers"]["moe"]["shared"]["gate"] == P(None, None, "model")
+    if "layers" in specs:
+        assert specs["layers"]["mlp"]["gate"] == P(None, None, "model")
+        assert specs["layers"]["mlp"]["down"] == P(None, "model")
+
+
+def test_divisibility_fallback_and_axis_reuse():
+    mesh = shd.abstract_mesh("data=2,model=4")
+    # 6 heads do not split over model=4 -> replicated; batch 3 over data=2 -> replicated
+    assert shd.logical_to_spec(("layers", "embed", "heads", "head_dim"), (2, 32, 6, 8), mesh) == P()
+    assert shd.cache_spec((2, 3, 4, 64, 8), mesh) == P(None, None, "model")
+    assert shd.cache_spec((2, 4, 4, 64, 8), mesh) == P(None, "data", "model")
+    # a mesh axis is used once per array: experts win over expert_mlp if both map to model
+    rules = dict(shd.RULES, expert_mlp="model")
+    assert shd.logical_to_spec(("layers", "experts", "embed", "expert_mlp"), (1, 8, 32, 16), mesh,
+                               rules) == P(None, "model")
+    # tiny default family: kv heads 2 do not split over model=4, heads 4 do
+    cfg = tiny_model("sdar").config
+    specs = shd.param_specs(cfg, mesh)
+    assert specs["layers"]["wk"] == P() and specs["layers"]["wq"] == P(None, None, "model")
+    seq = shd.abstract_mesh("seq=4")
+    assert shd.cache_spec((2, 1, 2, 64, 8), seq) == P(None, None, None, "seq")
+    assert shd.cache_spec((2, 1, 2, 66, 8), seq) == P()
+
+
+def test_constrain_cache_is_a_noop_without_mesh():
+    c = kvc.empty(2, 2, 2, 16, 8, jnp.float32)
+    assert shd.constrain_cache(c) is c
+    out = jax.jit(shd.constrain_cache)(c)
+    assert jax.tree_util.tree_all(jax.tree_util.tree_map(lambda a, b: bool((a == b).all()), c, out))
+
+
+def test_kv_bytes_per_device_scales_with_seq_shards():
+    cfg = tiny_model("sdar", num_heads=8, num_kv_heads=4).config
+    base = shd.kv_bytes_per_device(cfg, 2, 1024, shd.abstract_mesh("data=1"), jnp.bfloat16)
+    for n in (2, 4, 8):
+        r = shd.kv_bytes_per_device(cfg, 2, 1024, shd.abstract_mesh(f"seq={n}"), jnp.bfloat16)
+        assert r["global"] == base["global"] == base["per_device"]
+        assert r["per_device"] * n == base["per_device"]
+    r = shd.kv_bytes_per_device(cfg, 2, 1024, shd.abstract_mesh("data=2,model=4"), jnp.bfloat16)
+    assert r["per_device"] * 8 == base["per_device"]
+
+
+def test_single_device_mesh_generate_equals_plain():
+    from maskahead_jax.config import GenerationConfig
+    from maskahead_jax.generate import generate
+
+    m = tiny_model("fast_dllm_v2")
+    gc = GenerationConfig(max_new_tokens=8, prefill_chunk=16, stop_at_eos=False)
+    ps = [[1, 2, 3, 4, 5], [7, 8, 9]]
+    assert generate(m, ps, gc, mesh="data=1").tokens == generate(m, ps, gc).tokens
+
+
+def test_shard_params_places_leaves():
+    m = tiny_model("llada2", num_heads=8, num_kv_heads=4)
+    mesh = shd.make_mesh("data=1")
+    host = jax.tree_util.tree_map(np.asarray, m.params)
+    placed = shd.shard_params(host, mesh, m.config)
+    want = shd.param_shardings(m.config, mesh)
+    for a, s, h in zip(jax.tree_util.tree_leaves(placed), jax.tree_util.tree_leaves(want),
+                       jax.tree_util.tree_leaves(host)):
+        assert a.sharding.is_equivalent_to(s, a.ndim)
+        np.testing.assert_array_equal(np.asarray(a), h)
+
+
+# ----------------------------------------------------------------------------- 8 CPU devices
+def _check_parity(recs):
+    ran = [r for r in recs if "skipped" not in r]
+    bad = [(r["family"], r["policy"], r["ref"], r["out"]) for r in ran if not r["equal"]]
+    assert not bad, f"sharded tokens differ from unsharded: {bad}"
+    return ran, [r for r in recs if "skipped" in r]
+
+
+def test_mp_dense_data2_model4_matches_unsharded_every_family():
+    recs = _run("parity.py", "--mesh", "data=2,model=4", "--families", ",".join(ALL_FAMILIES),
+                "--policies", "dense", "--new", "16")
+    ran, _ = _check_parity(recs)
+    assert {r["family"] for r in ran} == set(ALL_FAMILIES)
+    assert all(r["devices"] == 8 for r in ran)
+
+
+@pytest.mark.parametrize("policy", ["maskahead", "qmaskahead"])
+def test_mp_policies_data2_model4_match_unsharded(policy):
+    recs = _run("parity.py", "--mesh", "data=2,model=4", "--families", "sdar,llada2",
+                "--policies", policy, "--new", "24")
+    ran, skipped = _check_parity(recs)
+    if skipped and not ran:
+        pytest.skip(f"policy {policy!r} unavailable: {skipped[0]['skipped']}")
+    assert all(r["evictions"] >= 1 and r["evictions"] == r["ref_evictions"] for r in ran), ran
+
+
+def test_mp_seq_sharded_long_prompt_matches_unsharded():
+    recs = _run("parity.py", "--mesh", "data=2,seq=4", "--families", "sdar,llada2,llada",
+                "--policies", "dense", "--lens", "300,190", "--chunk", "64", "--new", "16")
+    ran, _ = _check_parity(recs)
+    assert len(ran) == 3
+
+
+def test_mp_seq_sharding_lowers_per_device_kv_memory():
+    recs = _run("kv_memory.py", "--meshes", "seq=1;seq=4", "--prompt", "1024")
+    one, four = recs
+    assert four["planned_kv_per_device"] * 4 == one["planned_kv_per_device"]
+    # the compiled core's per-device temp memory (which holds the cache) shrinks too
+    assert four["temp_bytes"] < one["temp_bytes"]
+
+
+@pytest.mark.parametrize("family", ["sdar", "llada2", "llada"])
+def test_mp_decode_step_hlo_has_no_kv_cache_all_gather(family):
+    (r,) = _run("hlo_check.py", "--family", family, "--mesh", "data=2,model=4")
+    assert r["k_spec"] == str(P(None, "data", "model"))
+    assert r["local_k"] * 8 == r["global_k"]
+    assert r["cache_sized_gathers"] == [], r
+    if family != "llada2":  # dense MLP: Megatron pattern, two all-reduces per layer, no gathers
+        assert r["all_gathers"] == []
+
+
+def test_mp_hlo_detector_flags_a_forced_cache_all_gather():
+    (r,) = _run("hlo_check.py", "--family", "sdar", "--control")
+    assert r["cache_sized_gathers"], r
+
+
+# ----------------------------------------------------------------------------- 2 processes
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_mp_two_process_distributed_generate_matches_one_process():
+    import jax._src.config as jcfg
+
+    if not hasattr(jcfg, "cpu_collectives_implementation"):
+        pytest.skip("this jax has no jax_cpu_collectives_implementation (no CPU cross-process collectives)")
+    port = _free_port()
+    procs = []
+    for i in range(2):
+        env = _env(4)
+        env.update(MASKAHEAD_COORDINATOR=f"localhost:{port}", MASKAHEAD_NUM_PROCESSES="2",
+                   MASKAHEAD_PROCESS_ID=str(i), MASKAHEAD_CPU_COLLECTIVES="gloo")
+        procs.append(subprocess.Popen(
+            [sys.executable, os.path.join(SCRIPTS, "dist_worker.py"), "--devices", "4",
+             "--mesh", "data=2,model=4"], cwd=SCRIPTS, env=env, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True))
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=600)
+            if p.returncode != 0:
+                if "gloo" in err.lower() and "not" in err.lower() and "support" in err.lower():
+                    pytest.skip(f"CPU collectives unavailable: {err[-500:]}")
+                raise AssertionError(f"worker failed ({p.returncode}):\n{err[-4000:]}")
+            outs.append(json.loads([l for l in out.splitlines() if l.startswith("{")][-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    (single,) = _run("dist_worker.py", "--single", devices=1)
+    assert [o["processes"] for o in outs] == [2, 2] and {o["process"] for o in outs} == {0, 1}
+    assert all(o["devices"] == 8 and o["local_devices"] == 4 for o in outs)
+    assert outs[0]["tokens"] == outs[1]["tokens"] == single["tokens"]
