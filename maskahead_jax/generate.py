@@ -31,7 +31,7 @@ from . import cache as kvc
 from . import memory
 from .config import GenerationConfig, ModelConfig, ResolvedGeneration
 from .decoding import commit, shift_logits
-from .model import Segment, block_causal_mask, lm_head, model_step
+from .model import Context, Segment, block_causal_mask, lm_head, model_step
 from .policies.base import Dense
 from .sharding import constrain_cache
 
@@ -282,8 +282,14 @@ def _bidirectional_core(params, prompt, plen, key, *, cfg: ModelConfig, gen: Res
     nfe = jnp.int32(1)
     peak_bytes = memory.row_bytes(cache.valid, per_tok, policy.with_state)
     if policy.compresses_prompt:  # MaskKV: one-shot compression with the response's mask queries
-        o, _ = resp_pass(cache, resp0, jnp.ones((b, g), bool))
-        cache = policy.compress_prompt(cache, o.mass, plen)
+        # mask voting (maskkv.md Eq. 6): one softmax over [prompt | response] keys = the response's
+        # own K/V passed as context with the block masked out; mass [L, B, Hkv, Pb + G]
+        o, _ = resp_pass(cache, resp0)
+        ctx = Context(*(jnp.concatenate([a, n.astype(a.dtype)], 3) for a, n in
+                        ((cache.k, o.k), (cache.v, o.v), (cache.valid, jnp.ones(o.k.shape[:4], bool)))))
+        vote = model_step(params, cfg, resp0, rpos, jnp.zeros((b, g, g), bool), [Segment(0, L, ctx)],
+                          jnp.ones((b, g), bool))
+        cache = policy.compress_prompt(cache, vote.mass, plen)
         nfe = nfe + 1
     active = jnp.ones((b,), bool)
 
@@ -325,7 +331,8 @@ def _bidirectional_core(params, prompt, plen, key, *, cfg: ModelConfig, gen: Res
     max_steps = nblk * (bs + gen.steps_per_block)  # a hard bound: every step commits >= 1 token
     s = jax.lax.while_loop(lambda s: (s[1] < nblk) & (s[2] < max_steps), body, s)
     resp, cache, nfe = s[0], s[4], s[8]
-    kvb = memory.row_bytes(cache.valid, per_tok, policy.with_state)
+    kvb = memory.row_bytes(cache.valid, per_tok, policy.with_state,
+                           getattr(policy, "count_kept_only", False))
     dense = memory.bf16_dense_bytes(L, hkv, dh, plen)
     return dict(out=resp, first_pos=plen, nfe=jnp.broadcast_to(nfe, (b,)), nfe_batch=nfe,
                 kv_bytes=kvb, dense_bytes=dense, kv_peak=jnp.maximum(kvb, peak_bytes),

@@ -20,14 +20,20 @@ def bf16_dense_bytes(num_layers: int, kv_heads: int, head_dim: int, seen: jax.Ar
     return seen.astype(jnp.float32) * (4.0 * head_dim * num_layers * kv_heads)
 
 
-def row_bytes(valid: jax.Array, bytes_per_token: float, with_state: bool) -> jax.Array:
+def row_bytes(valid: jax.Array, bytes_per_token: float, with_state: bool,
+              kept_only: bool = False) -> jax.Array:
     """[B] bytes held per row.  valid [L, B, Hkv, N]: kept entries.
 
-    The rectangular extent is the highest occupied slot + 1 over the row's lanes."""
+    The rectangular extent is the highest occupied slot + 1 over the row's lanes. kept_only
+    (ragged per-head budgets, MaskKV's flattened variable-length layout): count only the kept
+    entries instead of the rectangular extent."""
     l, _, h, n = valid.shape
-    slot = jnp.arange(1, n + 1, dtype=jnp.int32)
-    extent = jnp.max(jnp.where(valid, slot, 0), axis=(0, 2, 3)).astype(jnp.float32)  # [B]
-    out = extent * (l * h * bytes_per_token)
+    if kept_only:
+        out = valid.sum(axis=(0, 2, 3)).astype(jnp.float32) * bytes_per_token
+    else:
+        slot = jnp.arange(1, n + 1, dtype=jnp.int32)
+        extent = jnp.max(jnp.where(valid, slot, 0), axis=(0, 2, 3)).astype(jnp.float32)  # [B]
+        out = extent * (l * h * bytes_per_token)
     if with_state:
         out = out + valid.sum(axis=(0, 2, 3)).astype(jnp.float32) * EVICTION_STATE_BYTES
     return out

@@ -1,0 +1,352 @@
+"""MaskKV ("Mask Tokens as Prophet", arXiv 2510.09309) for the bidirectional families (LLaDA,
+Dream), and the PyramidKV / AdaKV allocation baselines on the same mask-voting scores.
+research/maskkv.md §2, §3, §4, §8.
+
+One-shot compression of the prompt K/V at the first denoising step (the whole response is
+[MASK]). The engine (generate._bidirectional_core) calls `compress_prompt(cache, mass, plen)`
+with `mass` [L, B, Hkv, S] = per layer the attention of ALL response mask queries, averaged over
+the queries and the GQA group, over the keys [prompt (S >= Pb) | response]: the engine runs the
+mask queries against [prompt K/V | response K/V] as context, so this is the joint softmax of
+Eq. 6 (A_ij), and
+
+  Eq. 7   I_j    = sum_i A_ij over prompt keys j     (we use the mean: same ranking)
+  Eq. 14  P_h    = S_m->p / (S_m->p + S_m->m) = sum_j I_j over the prompt (mean form)
+  Eq. 16  keep the top-k_{l,h} prompt keys of I per (layer, batch, KV head)
+
+If `mass` only covers the prompt (a prefix-only softmax) every P_h is 1 and the head split is
+uniform; the ranking is unaffected up to per-query weights.
+
+Budgets, all in KV pairs per head (k_p = B * num_layers, B = budget_per_head or
+floor(budget_pct% * prompt length)):
+
+  Eq. 9   k_base    = floor(beta * k_p / L)
+  Eq. 10  k_imp     = k_p - L * k_base
+  Eq. 11  k_group,B = floor(k_imp * I_B / (I_B + I_M))       (floor: our choice, k_group must be
+  Eq. 12  k_group,M = k_imp - k_group,B                        an integer)
+  Eq. 13  k_l       = k_base + floor(k_group,g / |S_g|)       S_bound = {0, L-1} (choice)
+  Eq. 15  k_{l,h}   = floor(alpha * k_l + (1 - alpha) * N_h * k_l * P^_h),  P^ = P / sum_h P
+
+Choices where maskkv.md says NOT FOUND or leaves it open:
+  * exact_total (default True): the floor remainders of Eq. 13 (per group) and Eq. 15 (per
+    layer) are handed out one by one, so layer budgets sum to k_p and each layer's head budgets
+    to N_h * k_l; Eq. 13's remainder goes to the group's first layers, Eq. 15's to the heads with
+    the largest fractional parts (ties: lower head index). exact_total=False: pure floors.
+  * clipping: only head budgets are clipped, to [0, prompt length]; the clipped overflow is not
+    redistributed. No minimum of 1.
+  * GQA: scores and preferences are averaged over the query heads of a group, selection per KV
+    head (AdaKV's GQA mode); N_h = number of KV heads.
+  * no pooling of the scores (the paper's Eq. 6-7 are the whole scoring).
+  * the first step's outputs use full attention; only the pruned K/V are kept afterwards; the
+    prompt is never refreshed (the engine disables prompt_refresh for compressing policies).
+
+Ragged per-head budgets live in a rectangular buffer: each lane keeps its top entries
+left-aligned in position order and `valid` marks them; memory accounting counts only kept
+entries (`count_kept_only`).
+
+PyramidKV (layer_alloc="pyramid", head_alloc="uniform"): linear decreasing layer budgets,
+min = B / pyramid_beta, max = 2B - min, k_l = max - l (max - min) / (L - 1) (floored, remainder
+as above). AdaKV (layer_alloc="uniform", head_alloc="adakv"): per layer N_h * k_l slots,
+floor(adakv_floor * k_l) per head, the rest to the heads holding the global top mask-voting
+scores of the layer (flattened over heads and tokens).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import cache as kvc
+from ..cache import KVCache
+from . import register
+from .base import Dense
+from .maskahead import PolicyError
+
+LAYER_ALLOCS = ("boundary", "pyramid", "uniform")
+HEAD_ALLOCS = ("preference", "adakv", "uniform")
+
+
+# ----------------------------------------------------------------------------- budgets (pure)
+def _xp(*xs):
+    return jnp if any(isinstance(x, jax.Array) for x in xs) else np
+
+
+def _floor(xp, x):
+    # guard against float error just below an integer (e.g. 0.4 * 80 / 8)
+    return xp.floor(x + 1e-6).astype(xp.int32 if xp is jnp else np.int64)
+
+
+def _spread(xp, base, frac, remainder, axis):
+    """Add 1 to the `remainder` entries with the largest `frac` along `axis` (ties: lower index)."""
+    order = xp.argsort(-frac, axis=axis, **({"kind": "stable"} if xp is np else {}))
+    rank = xp.argsort(order, axis=axis, **({"kind": "stable"} if xp is np else {}))
+    return base + (rank < xp.expand_dims(remainder, axis)).astype(base.dtype)
+
+
+def boundary_layers(num_layers: int) -> tuple[int, ...]:
+    """S_bound = {first, last} layer (research/maskkv.md §3a: the exact rule is NOT FOUND)."""
+    return (0,) if num_layers == 1 else (0, num_layers - 1)
+
+
+def layer_budgets(total, importance, beta: float = 0.4, boundary=None, exact_total: bool = True):
+    """Per-layer average per-head budgets k_l (Eq. 9-13) for a total prompt budget k_p.
+
+    total: int, or [B] int array (one total per row); importance: [L] layer importances I^(l)
+    (None or empty: uniform). Returns [L] (or [L, B]) integer budgets; with exact_total they sum
+    to the total.
+    """
+    if importance is None or len(importance) == 0:
+        raise PolicyError("layer_budgets needs one importance per layer (uniform: [1.0] * L)")
+    imp = np.asarray(importance, np.float64)
+    xp = _xp(total)
+    L = len(imp)
+    bound = tuple(boundary_layers(L) if boundary is None else boundary)
+    in_b = np.zeros(L, bool)
+    in_b[list(bound)] = True
+    n_b, n_m = int(in_b.sum()), int((~in_b).sum())
+    i_b, i_m = float(imp[in_b].sum()), float(imp[~in_b].sum())
+    share = i_b / (i_b + i_m) if i_b + i_m > 0 else n_b / L  # all-zero importance: by group size
+    kp = xp.asarray(total)
+    k_base = _floor(xp, beta * kp / L)  # Eq. 9
+    k_imp = kp - L * k_base  # Eq. 10
+    g_b = _floor(xp, k_imp * share)  # Eq. 11
+    g_m = k_imp - g_b  # Eq. 12
+    if n_m == 0:  # every layer is a boundary layer
+        g_b, g_m = k_imp, 0 * k_imp
+    per_b = g_b // n_b
+    per_m = g_m // n_m if n_m else 0 * g_m
+    shape = (L,) + tuple(kp.shape)
+    sel = in_b.reshape((L,) + (1,) * kp.ndim)
+    k_l = xp.where(sel, k_base + per_b, k_base + per_m) * xp.ones(shape, k_base.dtype)  # Eq. 13
+    if exact_total:
+        rem_b, rem_m = g_b - n_b * per_b, g_m - n_m * per_m
+        # rank of each layer within its group (layer order): the first `rem` layers get +1
+        grank = np.zeros(L, np.int64)
+        grank[in_b] = np.arange(n_b)
+        grank[~in_b] = np.arange(n_m)
+        grank = grank.reshape(sel.shape)
+        extra = xp.where(sel, grank < rem_b, grank < rem_m)
+        k_l = k_l + extra.astype(k_l.dtype)
+    return k_l
+
+
+def pyramid_budgets(total_per_head, num_layers: int, pyramid_beta: float = 20.0,
+                    exact_total: bool = True):
+    """PyramidKV: k_l = max - l (max - min) / (L - 1), min = B / beta, max = 2B - min (AdaKV's
+    implementation, research/maskkv.md §4). total_per_head: B (int or [B_rows] array)."""
+    xp = _xp(total_per_head)
+    b = xp.asarray(total_per_head).astype(xp.float32 if xp is jnp else np.float64)
+    L = num_layers
+    lo = b / pyramid_beta
+    hi = 2 * b - lo
+    step = (hi - lo) / max(L - 1, 1)
+    l = np.arange(L, dtype=np.float64).reshape((L,) + (1,) * b.ndim)
+    x = hi - l * step if L > 1 else b * xp.ones((1,) + b.shape)
+    k = _floor(xp, x)
+    if exact_total:
+        kp = _floor(xp, b * L)
+        k = _spread(xp, k, x - k, kp - k.sum(0), axis=0)
+    return k
+
+
+def head_budgets(layer_budget, preference, alpha: float = 0.1, max_len=None, exact_total: bool = True):
+    """Per-head budgets k_{l,h} (Eq. 15) from layer budgets k_l [...] and prompt preferences
+    P_h [..., N_h] (unnormalised, e.g. mass on the prompt per head). Clipped to [0, max_len]
+    (int or array broadcastable to [...]) when given. Returns [..., N_h] integers."""
+    xp = _xp(layer_budget, preference)
+    kl = xp.asarray(layer_budget)
+    p = xp.asarray(preference).astype(xp.float32 if xp is jnp else np.float64)
+    nh = p.shape[-1]
+    tot = p.sum(-1, keepdims=True)
+    phat = xp.where(tot > 0, p / xp.where(tot > 0, tot, 1.0), 1.0 / nh)
+    klf = kl[..., None].astype(p.dtype)
+    x = alpha * klf + (1 - alpha) * nh * klf * phat
+    k = _floor(xp, x)
+    if exact_total:
+        rem = xp.maximum(nh * kl.astype(k.dtype) - k.sum(-1), 0)
+        k = _spread(xp, k, x - k, rem, axis=-1)
+    if max_len is not None:
+        k = xp.minimum(k, xp.asarray(max_len)[..., None] if np.ndim(max_len) else max_len)
+    return xp.maximum(k, 0)
+
+
+def adakv_head_budgets(layer_budget, scores, valid, floor_alpha: float = 0.2, max_len=None):
+    """AdaKV: per layer N_h * k_l slots; floor(floor_alpha * k_l) per head, the remaining
+    N_h * (k_l - floor) to the heads holding the layer's global top scores (flattened over heads
+    and tokens). layer_budget [...], scores/valid [..., N_h, S]. Returns [..., N_h]."""
+    xp = _xp(layer_budget, scores)
+    kl = xp.asarray(layer_budget)
+    nh, s = scores.shape[-2:]
+    fl = _floor(xp, floor_alpha * kl)
+    rest = nh * (kl - fl)
+    flat = xp.where(valid, scores, -np.inf).reshape(scores.shape[:-2] + (nh * s,))
+    order = xp.argsort(-flat, axis=-1, **({"kind": "stable"} if xp is np else {}))
+    rank = xp.argsort(order, axis=-1, **({"kind": "stable"} if xp is np else {}))
+    chosen = (rank < rest[..., None]) & valid.reshape(flat.shape)
+    k = fl[..., None] + chosen.reshape(scores.shape).sum(-1).astype(fl.dtype)
+    if max_len is not None:
+        k = xp.minimum(k, xp.asarray(max_len)[..., None] if np.ndim(max_len) else max_len)
+    return xp.maximum(k, 0)
+
+
+def keep_ragged(cache: KVCache, scores: jax.Array, counts: jax.Array, capacity: int) -> KVCache:
+    """Keep, per lane (layer, row, KV head), its counts[l, b, h] best valid entries, sorted by
+    position, left-aligned in a buffer of `capacity` slots; `valid` marks the kept ones."""
+    n = cache.capacity
+    scores = jnp.where(cache.valid, scores.astype(jnp.float32), -jnp.inf)
+    kk = min(capacity, n)
+    _, top = jax.lax.top_k(scores, kk)
+    ok = jnp.arange(kk) < counts[..., None]
+    chosen = jnp.take_along_axis(cache.valid, top, axis=3) & ok
+    key = jnp.where(chosen, jnp.take_along_axis(cache.pos, top, axis=3), jnp.iinfo(jnp.int32).max)
+    order = jnp.argsort(key, axis=3)
+    idx = jnp.take_along_axis(top, order, axis=3)
+    keep = jnp.take_along_axis(chosen, order, axis=3)
+    if kk < capacity:
+        pad = capacity - kk
+        idx = jnp.concatenate([idx, jnp.zeros(idx.shape[:3] + (pad,), idx.dtype)], axis=3)
+        keep = jnp.concatenate([keep, jnp.zeros(keep.shape[:3] + (pad,), bool)], axis=3)
+    return kvc.gather(cache, idx, keep)
+
+
+# ----------------------------------------------------------------------------- the policy
+@dataclasses.dataclass(frozen=True)
+class MaskKV(Dense):
+    """MaskKV with the paper's defaults (beta 0.4, alpha 0.1, B = 256 KV pairs per head)."""
+
+    name = "maskkv"
+    budget_per_head: Optional[int] = 256
+    budget_pct: Optional[float] = None  # if set: B = floor(budget_pct% * prompt length), per row
+    layer_importance: tuple = ()  # offline I^(l) (maskahead_jax.calibrate); () = uniform
+    beta: float = 0.4
+    alpha: float = 0.1
+    layer_alloc: str = "boundary"  # boundary (MaskKV) | pyramid | uniform
+    head_alloc: str = "preference"  # preference (MaskKV) | adakv | uniform
+    pyramid_beta: float = 20.0
+    adakv_floor: float = 0.2
+    exact_total: bool = True
+
+    compresses_prompt = True
+    count_kept_only = True
+    needs_stats = False
+    with_state = False
+
+    def validate(self, cfg, gen) -> None:
+        if cfg.attention != "bidirectional":
+            raise PolicyError(f"{self.name} compresses the prompt of bidirectional families "
+                              f"(LLaDA, Dream); {cfg.family!r} is {cfg.attention}")
+        self.check(cfg.num_layers)
+
+    def check(self, num_layers: int) -> None:
+        if self.budget_pct is not None:
+            if not 0 < self.budget_pct <= 100:
+                raise PolicyError(f"budget_pct must be in (0, 100], got {self.budget_pct}")
+        elif self.budget_per_head is None or int(self.budget_per_head) != self.budget_per_head \
+                or self.budget_per_head <= 0:
+            raise PolicyError(f"budget_per_head must be a positive integer, got {self.budget_per_head}")
+        if not 0.0 <= self.beta <= 1.0 or not 0.0 <= self.alpha <= 1.0:
+            raise PolicyError(f"beta and alpha must be in [0, 1], got {self.beta}, {self.alpha}")
+        if self.layer_alloc not in LAYER_ALLOCS:
+            raise PolicyError(f"layer_alloc must be one of {LAYER_ALLOCS}, got {self.layer_alloc!r}")
+        if self.head_alloc not in HEAD_ALLOCS:
+            raise PolicyError(f"head_alloc must be one of {HEAD_ALLOCS}, got {self.head_alloc!r}")
+        if self.layer_importance:
+            imp = np.asarray(self.layer_importance, np.float64)
+            if imp.shape != (num_layers,) or not np.all(np.isfinite(imp)) or np.any(imp < 0):
+                raise PolicyError(f"layer_importance must be {num_layers} finite values >= 0, "
+                                  f"got {self.layer_importance}")
+        if self.pyramid_beta <= 0 or not 0.0 <= self.adakv_floor <= 1.0:
+            raise PolicyError("pyramid_beta must be > 0 and adakv_floor in [0, 1]")
+
+    # ------------------------------------------------------------------ budgets
+    def per_head_budget(self, plen):
+        """B per row: budget_per_head, or floor(budget_pct% * prompt length) (at least 1)."""
+        if self.budget_pct is None:
+            return int(self.budget_per_head) if isinstance(plen, int) else \
+                jnp.full(plen.shape, int(self.budget_per_head), jnp.int32)
+        if isinstance(plen, int):
+            return max(1, int(self.budget_pct * plen // 100))
+        return jnp.maximum(jnp.floor(self.budget_pct * plen.astype(jnp.float32) / 100.0 + 1e-6), 1
+                           ).astype(jnp.int32)
+
+    def importance(self, num_layers: int):
+        return self.layer_importance if self.layer_importance else (1.0,) * num_layers
+
+    def layer_budgets(self, b_head, num_layers: int):
+        """k_l [L] (or [L, B]) for per-head budgets b_head (int or [B])."""
+        if self.layer_alloc == "boundary":
+            return layer_budgets(b_head * num_layers, self.importance(num_layers), self.beta,
+                                 exact_total=self.exact_total)
+        if self.layer_alloc == "pyramid":
+            return pyramid_budgets(b_head, num_layers, self.pyramid_beta, self.exact_total)
+        xp = _xp(b_head)
+        return xp.asarray(b_head)[None] * xp.ones((num_layers,) + np.shape(b_head), np.int32)
+
+    def buffer_size(self, prompt_cap: int, num_layers: int, kv_heads: int) -> int:
+        """Static slots per lane after compression: min(prompt buffer, largest head budget)."""
+        b = self.per_head_budget(prompt_cap)
+        kl = int(np.max(self.layer_budgets(b, num_layers)))
+        if self.budget_pct is not None:  # rows' totals vary: k_l <= k_p for any row
+            kl = max(kl, b * num_layers if self.layer_alloc == "boundary" else 2 * b)
+        if self.head_alloc == "uniform":
+            head = kl
+        elif self.head_alloc == "adakv":
+            head = kv_heads * kl
+        else:
+            head = math.ceil(self.alpha * kl + (1 - self.alpha) * kv_heads * kl) + 1
+        return max(1, min(prompt_cap, head))
+
+    def budgets(self, mass, valid, plen):
+        """Head budgets [L, B, Hkv] for the prompt slots `valid` [L, B, Hkv, N] and the mask-voting
+        mass [L, B, Hkv, S>=N] (joint softmax over [prompt | response])."""
+        L, _, hkv, n = valid.shape
+        scores = jnp.where(valid, mass[..., :n].astype(jnp.float32), 0.0)
+        kl = self.layer_budgets(self.per_head_budget(plen), L)  # [L, B]
+        if self.head_alloc == "preference":
+            k = head_budgets(kl, scores.sum(-1), self.alpha, exact_total=self.exact_total)
+        elif self.head_alloc == "adakv":
+            k = adakv_head_budgets(kl, scores, valid, self.adakv_floor)
+        else:
+            k = jnp.broadcast_to(kl[..., None], kl.shape + (hkv,))
+        return jnp.clip(k, 0, plen[None, :, None]).astype(jnp.int32)
+
+    def compress_prompt(self, cache: KVCache, mass, plen) -> KVCache:
+        L, _, hkv, n = cache.valid.shape
+        counts = self.budgets(mass, cache.valid, plen)
+        cap = self.buffer_size(n, L, hkv)
+        return keep_ragged(cache, mass[..., :n], jnp.minimum(counts, cap), cap)
+
+
+@dataclasses.dataclass(frozen=True)
+class PyramidKV(MaskKV):
+    name = "pyramidkv"
+    layer_alloc: str = "pyramid"
+    head_alloc: str = "uniform"
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaKV(MaskKV):
+    name = "adakv"
+    layer_alloc: str = "uniform"
+    head_alloc: str = "adakv"
+
+
+def _factory(cls):
+    def make(capacity_pct=None, **kw):
+        if capacity_pct is not None:  # make(name, capacity_pct=...) sets a percentage budget
+            kw["budget_pct"] = capacity_pct
+        if "layer_importance" in kw and kw["layer_importance"] is not None:
+            kw["layer_importance"] = tuple(float(x) for x in kw["layer_importance"])
+        return cls(**kw)
+    return make
+
+
+register("maskkv", _factory(MaskKV))
+register("pyramidkv", _factory(PyramidKV))
+register("adakv", _factory(AdaKV))
+
+__all__ = ["MaskKV", "PyramidKV", "AdaKV", "layer_budgets", "head_budgets", "pyramid_budgets",
+           "adakv_head_budgets", "boundary_layers", "keep_ragged"]
