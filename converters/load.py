@@ -56,7 +56,8 @@ def _first(names: list[str], n: int = 5) -> str:
     return ", ".join(names[:n]) + (f" (+{len(names) - n} more)" if len(names) > n else "")
 
 
-def load_hf_params(path: str, cfg: ModelConfig, dtype=None, progress: bool = False) -> dict:
+def load_hf_params(path: str, cfg: ModelConfig, dtype=None, progress: bool = False,
+                   shardings=None) -> dict:
     """Read, validate and convert an HF checkpoint folder into the params pytree.
 
     Every expected key must be present with the expected shape and no unknown key may be
@@ -64,6 +65,8 @@ def load_hf_params(path: str, cfg: ModelConfig, dtype=None, progress: bool = Fal
     are then streamed one at a time into preallocated host buffers and moved to the device
     leaf by leaf, so peak host memory stays near one copy of the model.
     dtype=None keeps the checkpoint's storage dtype (that of the embedding).
+    shardings: optional NamedSharding pytree (`maskahead_jax.sharding.param_shardings`): each
+    leaf then goes straight into its shards (every device receives only its slice).
     """
     tensors = open_tensors(path)
     plan, optional = build_plan(cfg)
@@ -102,10 +105,35 @@ def load_hf_params(path: str, cfg: ModelConfig, dtype=None, progress: bool = Fal
         out = {}
         for name, sub in tree.items():
             p = prefix + (name,)
-            out[name] = to_device(sub, p) if isinstance(sub, dict) else jnp.asarray(bufs.pop(p))
+            if isinstance(sub, dict):
+                out[name] = to_device(sub, p)
+            elif shardings is not None:
+                out[name] = _put_sharded(bufs.pop(p), _at(shardings, p))
+            else:
+                out[name] = jnp.asarray(bufs.pop(p))
         return out
 
     return to_device(shapes)
+
+
+def _at(tree, path):
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def _put_sharded(buf: np.ndarray, sharding):
+    from maskahead_jax.sharding import _put
+
+    return _put(buf, sharding)
+
+
+def _mesh_shardings(cfg: ModelConfig, mesh):
+    if mesh is None:
+        return None
+    from maskahead_jax import sharding as shd
+
+    return shd.param_shardings(cfg, shd.make_mesh(mesh) if isinstance(mesh, (str, dict)) else mesh)
 
 
 # ------------------------------------------------------------------ orbax
@@ -124,30 +152,43 @@ def save_orbax(params: Any, path: str) -> None:
     ckptr.wait_until_finished()
 
 
-def restore_orbax(path: str, cfg: ModelConfig, dtype) -> dict:
-    """Restore a params pytree saved by `save_orbax`, stored as `dtype`."""
+def restore_orbax(path: str, cfg: ModelConfig, dtype, shardings=None) -> dict:
+    """Restore a params pytree saved by `save_orbax`, stored as `dtype`.
+
+    shardings: optional NamedSharding pytree (`maskahead_jax.sharding.param_shardings`): orbax
+    then reads every leaf straight into its shards (no full copy on one device).
+    """
     import orbax.checkpoint as ocp
 
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s, dtype, sharding=sharding),
-                                    param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+    is_shape = lambda x: isinstance(x, tuple) and all(isinstance(i, int) for i in x)
+    if shardings is None:
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree_util.tree_map(lambda s: one, param_shapes(cfg), is_leaf=is_shape)
+    target = jax.tree_util.tree_map(lambda s, sh: jax.ShapeDtypeStruct(s, dtype, sharding=sh),
+                                    param_shapes(cfg), shardings, is_leaf=is_shape)
     try:
         return ocp.StandardCheckpointer().restore(os.path.abspath(path), target)
     except (ValueError, KeyError, FileNotFoundError) as e:
         raise CheckpointError(f"cannot restore converted params from {path}: {e}") from e
 
 
-def load_model(path: str, dtype=None, progress: bool = False) -> Model:
-    """Load an HF folder (safetensors / torch .bin) or a folder written by `convert`."""
+def load_model(path: str, dtype=None, progress: bool = False, mesh=None) -> Model:
+    """Load an HF folder (safetensors / torch .bin) or a folder written by `convert`.
+
+    mesh: optional jax Mesh or spec ("data=2,model=4"): params are loaded straight into their
+    shards by the rules of `maskahead_jax.sharding` (orbax restores sharded; HF tensors are put
+    leaf by leaf from host buffers).
+    """
     cfg = read_config(path)
+    shardings = _mesh_shardings(cfg, mesh)
     if is_converted(path):
         with open(os.path.join(path, MARKER)) as f:
             stored = np.dtype(jnp.dtype(json.load(f)["dtype"]))
-        params = restore_orbax(os.path.join(path, PARAMS_DIR), cfg, stored)
+        params = restore_orbax(os.path.join(path, PARAMS_DIR), cfg, stored, shardings)
         model = Model(cfg, params)
         dt = _np_dtype(dtype)
         return model if dt is None or dt == stored else model.astype(dt)
-    return Model(cfg, load_hf_params(path, cfg, dtype=dtype, progress=progress))
+    return Model(cfg, load_hf_params(path, cfg, dtype=dtype, progress=progress, shardings=shardings))
 
 
 def convert(src: str, dst: str, dtype=None, progress: bool = True, overwrite: bool = False) -> str:

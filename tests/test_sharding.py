@@ -247,3 +247,15 @@ def test_mp_two_process_distributed_generate_matches_one_process():
     assert [o["processes"] for o in outs] == [2, 2] and {o["process"] for o in outs} == {0, 1}
     assert all(o["devices"] == 8 and o["local_devices"] == 4 for o in outs)
     assert outs[0]["tokens"] == outs[1]["tokens"] == single["tokens"]
+
+
+def test_mp_load_model_straight_into_shards_hf_and_orbax(tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None:
+        pytest.skip("the tiny HF fixture needs torch and transformers")
+    recs = _run("load_check.py", "--mesh", "data=4,model=2", "--tmp", str(tmp_path))
+    assert {r["source"] for r in recs} == {"hf", "orbax"}
+    for r in recs:
+        assert r["shardings_ok"] and r["values_equal"], r
+        assert r["sharded_leaves"] > 0 and r["max_bytes_per_device"] < r["full_bytes"], r
