@@ -58,6 +58,8 @@ def append(cache: KVCache, k_new, v_new, pos_new, n_new) -> KVCache:
     k_new, v_new [L, B, Hkv, T, D]; pos_new [B, T]; n_new [B].  The caller guarantees
     length + T <= capacity (capacities are planned statically).
     """
+    if not isinstance(cache, KVCache):  # another cache type (qcache.QKVCache): same API
+        return cache.append(k_new, v_new, pos_new, n_new)
     t = k_new.shape[3]
     ok = jnp.arange(t)[None, :] < n_new[:, None]  # [B, T]
 
@@ -80,6 +82,8 @@ def gather(cache: KVCache, idx: jax.Array, keep: jax.Array) -> KVCache:
 
     idx must be sorted so that kept entries come first, in position order.
     """
+    if not isinstance(cache, KVCache):
+        return cache.gather(idx, keep)
     take = lambda a: jnp.take_along_axis(a, idx, axis=3)
     takev = lambda a: jnp.take_along_axis(a, idx[..., None], axis=3)
     valid = take(cache.valid) & keep
@@ -94,6 +98,8 @@ def keep_top(cache: KVCache, scores: jax.Array, keep_count: jax.Array, capacity:
 
     scores [L, B, Hkv, N] (invalid slots are ignored); keep_count [B] <= capacity.
     """
+    if not isinstance(cache, KVCache):
+        return cache.keep_top(scores, keep_count, capacity)
     n = cache.capacity
     scores = jnp.where(cache.valid, scores.astype(jnp.float32), -jnp.inf)
     kk = min(capacity, n)
@@ -114,6 +120,8 @@ def keep_top(cache: KVCache, scores: jax.Array, keep_count: jax.Array, capacity:
 
 def resize(cache: KVCache, capacity: int) -> KVCache:
     """Move a cache whose live entries fit into `capacity` slots into a buffer of that size."""
+    if not isinstance(cache, KVCache):
+        return cache.resize(capacity)
     n = cache.capacity
     if capacity == n:
         return cache

@@ -106,7 +106,8 @@ def _block_causal_core(params, prompt, plen, key, *, cfg: ModelConfig, gen: Reso
     cap0, cap1 = policy.plan(prompt_cap, total_cap, bs)
     per_tok = memory.float_bytes_per_token(dh, cache_dtype)
     dense_bytes = lambda c: memory.bf16_dense_bytes(L, hkv, dh, c.seen)
-    held_bytes = lambda c: memory.row_bytes(c.valid, per_tok, policy.with_state)
+    held_bytes = lambda c: memory.row_bytes(  # a quantized cache states its own bytes per token
+        c.valid, getattr(c, "bytes_per_token", per_tok), policy.with_state)
 
     n_pre = (plen // bs) * bs
     padded = jnp.pad(prompt, ((0, 0), (0, prompt_cap + bs - pb)), constant_values=mask_id)
@@ -126,7 +127,8 @@ def _block_causal_core(params, prompt, plen, key, *, cfg: ModelConfig, gen: Reso
         last_h = jnp.where(hit[:, None], _row_take(out.hidden, jnp.clip(j, 0, chunk - 1)), last_h)
         return cache, last_h
 
-    cache = constrain_cache(kvc.empty(L, b, hkv, cap0, dh, cache_dtype))  # no-op without a mesh
+    make_cache = getattr(policy, "empty_cache", kvc.empty)  # Q-MaskAhead: a packed cache
+    cache = constrain_cache(make_cache(L, b, hkv, cap0, dh, cache_dtype))  # no-op without a mesh
     last_h = jnp.zeros((b, cfg.hidden_size), params["final_norm"].dtype)
     cache, last_h = jax.lax.fori_loop(0, n_chunks, prefill_chunk, (cache, last_h))
     prev_logits = lm_head(params, cfg, last_h)

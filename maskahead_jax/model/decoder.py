@@ -27,14 +27,23 @@ import jax.numpy as jnp
 
 from ..config import ModelConfig
 from ..kernels import reference as ref
+from ..kernels.dispatch import scored_attention_quant
+from ..quant import QuantKV
 from .layers import apply_rope, rms_norm, rope_tables, swiglu
 from .moe import moe_mlp
+
+
+# Packed (QuantKV) contexts go through kernels.dispatch.scored_attention_quant with this impl:
+# "reference" dequantizes the layer's packed K/V inside the layer body (a transient float copy,
+# the released code's path for long prefixes) on every backend; None picks the Pallas kernel.
+PACKED_ATTENTION_IMPL = "reference"
 
 
 class Context(NamedTuple):
     """Keys/values a block reads besides itself, for a contiguous range of layers.
 
-    k, v [Lr, B, Hkv, S, D] (post-RoPE); valid [Lr, B, Hkv, S] bool.
+    k, v [Lr, B, Hkv, S, D] (post-RoPE); valid [Lr, B, Hkv, S] bool.  Or packed: k a QuantKV with
+    leading axes [Lr, B, Hkv] and v None (qcache.QKVCache.context()).
     """
 
     k: jax.Array
@@ -77,7 +86,11 @@ def _attention_block(p, x, cos, sin, cfg: ModelConfig, ctx, blk_mask, stat_rows)
         out, stats = ref.attention(qg, None, None, None, kb, vb, blk_mask)
     else:
         kc, vc, valid = ctx
-        out, stats = ref.attention(qg, kc, vc, valid, kb, vb, blk_mask, stat_rows)
+        if isinstance(kc, QuantKV):  # packed context (qcache.QKVCache): dequantized in the layer body
+            out, stats = scored_attention_quant(qg, kc, valid, kb, vb, blk_mask, stat_rows,
+                                                impl=PACKED_ATTENTION_IMPL)
+        else:
+            out, stats = ref.attention(qg, kc, vc, valid, kb, vb, blk_mask, stat_rows)
     out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, cfg.num_heads, cfg.head_dim)
     x = x + jnp.einsum("bthk,hkd->btd", out, p["wo"])
     return x, kb, vb, stats

@@ -33,3 +33,4 @@ def make(name: str, capacity_pct: float | None = None, **knobs):
 
 __all__ = ["Dense", "MaskAhead", "PolicyError", "make", "names", "register"]
 from . import baselines, maskkv  # noqa: E402,F401  (register streaming, h2o, caote, snapkv, herald, maskkv, pyramidkv, adakv)
+from .qmaskahead import QMaskAhead  # noqa: E402,F401  (registers "q-maskahead")

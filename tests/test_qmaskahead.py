@@ -1,0 +1,167 @@
+"""Q-MaskAhead end to end: the packed cache (qcache.QKVCache) against a float cache holding the
+same quantize -> dequantize values, memory from the arrays, 2-bit, registry and errors."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from maskahead_jax import cache as kvc
+from maskahead_jax import qcache, quant
+from maskahead_jax.config import GenerationConfig
+from maskahead_jax.generate import generate
+from maskahead_jax.policies import MaskAhead, PolicyError, QMaskAhead, make
+from tiny import tiny_model
+
+FULL = dict(capacity_pct=100, capacity_floor=4096, topk_pct=100, topk_floor=4096, dense_layers=1)
+# selection every block (30% of the live set) and an eviction after every block
+SMALL = dict(capacity_pct=30, capacity_floor=64, topk_pct=30, topk_floor=32, dense_layers=1, sinks=2,
+             recent=32, interval_blocks=1, lookahead_blocks=2)
+
+
+def _model(**over):
+    kw = dict(num_layers=3, hidden_size=64, num_heads=2, num_kv_heads=1, head_dim=32,
+              intermediate_size=64, block_size=32)
+    kw.update(over)
+    return tiny_model("sdar", **kw)
+
+
+def _prompts(lens=(150, 90), seed=0):
+    rng = np.random.RandomState(seed)
+    return [list(map(int, rng.randint(0, 40, size=n))) for n in lens]
+
+
+GC = GenerationConfig(max_new_tokens=64, prefill_chunk=64, stop_at_eos=False)
+
+
+# ----------------------------------------------------------------------------- cache ops
+def _kv(key, l=2, b=2, h=1, t=64, d=32):
+    k1, k2 = jax.random.split(key)
+    return jax.random.normal(k1, (l, b, h, t, d)) * 2.0 + 0.5, jax.random.normal(k2, (l, b, h, t, d))
+
+
+def _deq(c):
+    return quant.dequantize_kv(c.q, jnp.float32)
+
+
+def test_cache_ops_match_the_float_round_trip():
+    """append / keep_top / resize on the packed cache == the same ops on a float cache that
+    stores quantize -> dequantize values (keys of survivors requantized on eviction)."""
+    l, b, h, d = 2, 2, 1, 32
+    qc = qcache.empty(l, b, h, 128, d, 4)
+    sc = qcache.sim_empty(l, b, h, 128, d, jnp.float32, 4)
+    assert isinstance(qc, qcache.QKVCache) and qc.capacity == 128
+    for step in range(2):
+        k, v = _kv(jax.random.PRNGKey(step))
+        pos = jnp.broadcast_to(step * 64 + jnp.arange(64, dtype=jnp.int32), (b, 64))
+        n = jnp.array([64, 32 if step else 64], jnp.int32)  # row 1 gets half a chunk the 2nd time
+        qc, sc = kvc.append(qc, k, v, pos, n), kvc.append(sc, k, v, pos, n)
+    np.testing.assert_array_equal(qc.valid, sc.valid)
+    np.testing.assert_array_equal(qc.pos, sc.pos)
+    np.testing.assert_array_equal(qc.length, [128, 96])
+    kq, vq = _deq(qc)
+    m = np.asarray(qc.valid)[..., None]
+    np.testing.assert_array_equal(np.where(m, kq, 0), np.where(m, sc.k, 0))
+    np.testing.assert_array_equal(np.where(m, vq, 0), np.where(m, sc.v, 0))
+    # the cache's own values are the round trip of the appended tokens (within half a step)
+    assert float(jnp.abs(jnp.where(m, kq - jnp.concatenate([_kv(jax.random.PRNGKey(0))[0],
+                                                             _kv(jax.random.PRNGKey(1))[0]], 3), 0)).max()) < 0.5
+
+    scores = jax.random.uniform(jax.random.PRNGKey(7), qc.valid.shape)
+    keep = jnp.array([64, 32], jnp.int32)
+    q2, s2 = kvc.keep_top(qc, scores, keep, 64), kvc.keep_top(sc, scores, keep, 64)
+    assert q2.capacity == 64 and q2.q.k_res.shape[-2] == 0
+    np.testing.assert_array_equal(q2.valid, s2.valid)
+    np.testing.assert_array_equal(q2.pos, s2.pos)
+    np.testing.assert_array_equal(q2.live()[:, :, 0], [[64, 32], [64, 32]])
+    kq, vq = _deq(q2)
+    m = np.asarray(q2.valid)[..., None]
+    np.testing.assert_allclose(np.where(m, kq, 0), np.where(m, s2.k, 0), atol=1e-6)
+    np.testing.assert_array_equal(np.where(m, vq, 0), np.where(m, s2.v, 0))  # values move bit-exactly
+
+    q3, s3 = kvc.resize(q2, 96), kvc.resize(s2, 96)
+    assert q3.capacity == 96 and q3.q.k_scale.shape[-2] == 3
+    np.testing.assert_array_equal(q3.valid, s3.valid)
+    np.testing.assert_array_equal(kvc.resize(q3, 64).q.k_codes, q2.q.k_codes)
+    # the packed context a layer reads, and the compact bf16 buffer of selected entries
+    ctx = q3.context(1, 2)
+    assert isinstance(ctx.k, quant.QuantKV) and ctx.v is None and ctx.valid.shape == (1, b, h, 96)
+    idx, kp = qcache.top_indices(q3.valid, q3.pos, scores[..., :96], jnp.array([8, 8]), 8)
+    sel = q3.select_context(idx, kp)
+    assert sel.k.dtype == jnp.bfloat16 and sel.k.shape == (l, b, h, 8, d)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        kvc.resize(q3, 80)
+
+
+# ----------------------------------------------------------------------------- generation
+@pytest.mark.parametrize("budget", ["full", "small"])
+def test_generate_matches_float_cache_on_dequantized_kv(budget):
+    """The packed run (step 0 and dense layers read codes, later steps read the gathered compact
+    buffer) == the float-cache run whose appended K/V are quantized -> dequantized. "full": budgets
+    cover every token; "small": selection every block and evictions (survivor keys requantized
+    on both sides)."""
+    m = _model()
+    kw = FULL if budget == "full" else SMALL
+    packed = generate(m, _prompts(), GC, policy=QMaskAhead(compact_dtype="float32", **kw))
+    sim = generate(m, _prompts(), GC, policy=QMaskAhead(compact_dtype="float32", simulate=True, **kw))
+    assert packed.tokens == sim.tokens
+    assert all(len(t) == 64 for t in packed.tokens)
+    assert packed.stats["live_entries"] == sim.stats["live_entries"]
+    if budget == "small":
+        assert packed.stats["evictions"] >= 3
+        assert max(packed.stats["live_entries"]) <= 96 + 32  # C rounded to whole groups + a block
+    # same number of slots, 4-bit bytes (72 B/token at D = 32 + 10 B state) vs float32 (256)
+    assert packed.stats["kv_bytes_final"][0] < sim.stats["kv_bytes_final"][0] / 3
+
+
+def test_two_bit_and_bf16_runs_end_to_end():
+    m = _model().astype(jnp.bfloat16)
+    for bits in (2, 4):
+        out = generate(m, _prompts(), GC, policy=make("q-maskahead", bits=bits, **SMALL))
+        assert all(len(t) == 64 for t in out.tokens)
+        assert out.stats["policy"] == "q-maskahead" and out.stats["evictions"] >= 3
+        assert min(out.stats["reduction_final"]) > 3.0, out.stats
+
+
+# ----------------------------------------------------------------------------- memory
+def test_bytes_per_token_at_d128_from_the_arrays():
+    q4 = qcache.empty(1, 1, 1, 64, 128, 4)
+    q2 = qcache.empty(1, 1, 1, 64, 128, 2)
+    f = kvc.empty(1, 1, 1, 64, 128, jnp.bfloat16)
+    dense = (f.k.nbytes + f.v.nbytes) / 64
+    assert q4.bytes_per_token == 160 and q2.bytes_per_token == 96 and dense == 512
+    assert quant.nbytes_breakdown(q4.q) == {"key_payload": 64 * 64, "key_metadata": 16 * 64,
+                                            "value_payload": 64 * 64, "value_metadata": 16 * 64,
+                                            "residual": 0}
+
+
+def test_memory_on_a_10k_prompt_is_at_least_20x():
+    """As tests/test_maskahead.py::test_memory_metric_on_a_10k_prompt_is_about_9_5x (1 layer, 1 KV
+    head, D = 128, bf16, C = 10%), with the 4-bit cache: (160 + 10) B per kept entry."""
+    m = tiny_model("sdar", num_layers=1, hidden_size=128, num_heads=1, num_kv_heads=1, head_dim=128,
+                   intermediate_size=64, block_size=32, max_position_embeddings=16384)
+    rng = np.random.RandomState(0)
+    prompt = list(map(int, rng.randint(0, 40, size=10_000)))
+    gc = GenerationConfig(max_new_tokens=32, prefill_chunk=512, stop_at_eos=False)
+    out = generate(m.astype(jnp.bfloat16), [prompt], gc, policy=QMaskAhead(dense_layers=0), bucket=512)
+    red = out.stats["reduction_final"][0]
+    # C(9,984) = 998 -> 1,024 (whole groups), + one block = 1,056 live: 10,016 * 512 / (1,056 * 170)
+    assert out.stats["live_entries"] == [1056]
+    assert red >= 20.0, out.stats
+    assert red == pytest.approx(10_016 * 512 / (1056 * 170), rel=1e-3)
+    # the peak is the whole prompt, packed
+    assert out.stats["kv_bytes_peak"][0] >= 9_984 * 160
+
+
+# ----------------------------------------------------------------------------- errors
+def test_invalid_settings_are_clear_errors():
+    gc = GenerationConfig(max_new_tokens=8, stop_at_eos=False)
+    with pytest.raises(PolicyError, match="head_dim"):
+        generate(tiny_model("sdar", block_size=32), [[1, 2]], gc, policy=QMaskAhead(**SMALL))
+    with pytest.raises(PolicyError, match="bits"):
+        generate(_model(), [[1, 2]], gc, policy=QMaskAhead(bits=3, **SMALL))
+    with pytest.raises(PolicyError, match="block_size"):
+        generate(_model(block_size=16), [[1, 2]], GenerationConfig(max_new_tokens=8, prefill_chunk=64),
+                 policy=QMaskAhead(**SMALL))
+    assert isinstance(make("q-maskahead"), MaskAhead)
