@@ -93,6 +93,25 @@ def _probe_mass(params, cfg: ModelConfig, policy, cache, x0, start, active, padd
     return out.mass * (m - 1)
 
 
+def _evict_during_prefill(params, cfg: ModelConfig, policy, cache, padded, plen, over, capacity):
+    """Bounded prefill: after a chunk is stored, probe with the question (the prompt's last
+    `question_tokens` tokens at their real positions) plus mask blocks after the prompt, and
+    evict rows over capacity down to C(seen), pinning the question span if asked."""
+    b = plen.shape[0]
+    q, bs = policy.question_tokens, cfg.block_size
+    m = policy.lookahead_blocks
+    qpos = jnp.maximum(plen[:, None] - q + jnp.arange(q)[None], 0).astype(jnp.int32)
+    qtok = jnp.take_along_axis(padded, qpos, axis=1)
+    mpos = plen[:, None] + jnp.arange((m - 1) * bs, dtype=jnp.int32)[None]
+    toks = jnp.concatenate([qtok, jnp.full((b, (m - 1) * bs), cfg.mask_token_id, jnp.int32)], 1)
+    pos = jnp.concatenate([qpos, mpos], 1)
+    out = model_step(params, cfg, toks, pos, _mask_all(b, toks.shape[1]),
+                     _dense_segments(cache, cfg.num_layers), jnp.ones(toks.shape, bool))
+    keep = jnp.where(over, jnp.minimum(cache.length, policy.capacity(cache.seen)), cache.length)
+    pinned = (cache.pos >= (plen - q)[None, :, None, None]) if policy.pin_question else None
+    return policy.evict(cache, jnp.zeros_like(out.mass), out.mass * m, keep, capacity, pinned=pinned)
+
+
 def _block_causal_core(params, prompt, plen, key, *, cfg: ModelConfig, gen: ResolvedGeneration,
                        policy, cache_dtype, phase: str = "all"):
     b, pb = prompt.shape
@@ -103,7 +122,7 @@ def _block_causal_core(params, prompt, plen, key, *, cfg: ModelConfig, gen: Reso
     nblk = math.ceil((bs - 1 + gen.max_new_tokens) / bs)
     prompt_cap = n_chunks * chunk
     total_cap = max(prompt_cap, pb + (nblk + 1) * bs)
-    cap0, cap1 = policy.plan(prompt_cap, total_cap, bs)
+    cap0, cap1 = policy.plan(prompt_cap, total_cap, bs, chunk)
     per_tok = memory.float_bytes_per_token(dh, cache_dtype)
     dense_bytes = lambda c: memory.bf16_dense_bytes(L, hkv, dh, c.seen)
     held_bytes = lambda c: memory.row_bytes(  # a quantized cache states its own bytes per token
@@ -114,7 +133,7 @@ def _block_causal_core(params, prompt, plen, key, *, cfg: ModelConfig, gen: Reso
 
     # ---- chunked block-causal prefill of the block-aligned prompt prefix
     def prefill_chunk(c, carry):
-        cache, last_h = carry
+        cache, last_h, peak = carry
         start = c * chunk
         toks = jax.lax.dynamic_slice_in_dim(padded, start, chunk, axis=1)
         pos = jnp.broadcast_to(start + jnp.arange(chunk, dtype=jnp.int32), (b, chunk))
@@ -122,15 +141,21 @@ def _block_causal_core(params, prompt, plen, key, *, cfg: ModelConfig, gen: Reso
         mask = block_causal_mask(pos, bs) & (jnp.arange(chunk)[None, None, :] < n_valid[:, None, None])
         out = model_step(params, cfg, toks, pos, mask, _dense_segments(cache, L))
         cache = kvc.append(cache, out.k, out.v, pos, n_valid)
+        peak = jnp.maximum(peak, held_bytes(cache))
         j = n_pre - 1 - start
         hit = (j >= 0) & (j < chunk)
         last_h = jnp.where(hit[:, None], _row_take(out.hidden, jnp.clip(j, 0, chunk - 1)), last_h)
-        return cache, last_h
+        if getattr(policy, "bounded_prefill", False):
+            over = cache.length > policy.capacity(cache.seen)
+            cache = jax.lax.cond(jnp.any(over), lambda cc: _evict_during_prefill(
+                params, cfg, policy, cc, padded, plen, over, cap0), lambda cc: cc, cache)
+        return cache, last_h, peak
 
     make_cache = getattr(policy, "empty_cache", kvc.empty)  # Q-MaskAhead: a packed cache
     cache = constrain_cache(make_cache(L, b, hkv, cap0, dh, cache_dtype))  # no-op without a mesh
     last_h = jnp.zeros((b, cfg.hidden_size), params["final_norm"].dtype)
-    cache, last_h = jax.lax.fori_loop(0, n_chunks, prefill_chunk, (cache, last_h))
+    peak0 = jnp.zeros((b,), jnp.float32)
+    cache, last_h, peak0 = jax.lax.fori_loop(0, n_chunks, prefill_chunk, (cache, last_h, peak0))
     prev_logits = lm_head(params, cfg, last_h)
     if phase == "prefill":  # timing runs: stop after the prompt is in the cache
         return dict(prev=prev_logits, kv_bytes=held_bytes(cache))
@@ -145,7 +170,8 @@ def _block_causal_core(params, prompt, plen, key, *, cfg: ModelConfig, gen: Reso
         done=jnp.zeros((b,), bool), pending=policy.pending_after_prefill(cache),
         out=jnp.full((b, nblk * bs), mask_id, jnp.int32), key=key,
         nfe=jnp.zeros((b,), jnp.int32), nfe_batch=jnp.int32(1 if pb else 0) * n_chunks,
-        peak=held_bytes(cache), peak_dense=dense_bytes(cache), evictions=jnp.int32(0),
+        peak=jnp.maximum(peak0, held_bytes(cache)), peak_dense=dense_bytes(cache),
+        evictions=jnp.int32(0),
     )
 
     def run_block(st, x_init, cap_out):

@@ -2,13 +2,14 @@
 
 `make(name, capacity_pct=None, **knobs)` builds one by name (the CLI and the sweep use it)."""
 from .base import Dense
-from .maskahead import MaskAhead, PolicyError
+from .maskahead import BoundedPrefillMaskAhead, MaskAhead, PolicyError
 
 _REGISTRY = {
     "dense": lambda **kw: Dense(),
     "maskahead": lambda **kw: MaskAhead(**kw),
     "maskahead-noevict": lambda **kw: MaskAhead(evict_ranking="none", **kw),
     "mage": lambda **kw: MaskAhead(select_ranking="mass", evict_ranking="none", **kw),
+    "maskahead-bounded": lambda **kw: BoundedPrefillMaskAhead(**kw),
 }
 
 
@@ -31,6 +32,6 @@ def make(name: str, capacity_pct: float | None = None, **knobs):
     return _REGISTRY[key](**knobs)
 
 
-__all__ = ["Dense", "MaskAhead", "PolicyError", "make", "names", "register"]
-from . import baselines, maskkv  # noqa: E402,F401  (register streaming, h2o, caote, snapkv, herald, maskkv, pyramidkv, adakv)
+__all__ = ["BoundedPrefillMaskAhead", "Dense", "MaskAhead", "PolicyError", "make", "names", "register"]
 from .qmaskahead import QMaskAhead  # noqa: E402,F401  (registers "q-maskahead")
+from . import baselines, maskkv  # noqa: E402,F401  (register streaming, h2o, caote, snapkv, herald, maskkv, pyramidkv, adakv)

@@ -41,7 +41,7 @@ class Dense:
         """[B, T] which step-0 queries are pooled into the statistics (all masked ones)."""
         return masked & active[:, None]
 
-    def plan(self, prompt_cap: int, total_cap: int, block_size: int) -> tuple[int, int]:
+    def plan(self, prompt_cap: int, total_cap: int, block_size: int, chunk: int = 512):
         """(capacity while prefilling, capacity while decoding); total_cap holds everything."""
         return total_cap, total_cap
 

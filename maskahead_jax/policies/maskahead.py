@@ -93,7 +93,7 @@ class MaskAhead(Dense):
             return min(live, max(self.topk_floor, ceil_pct(self.topk_pct, live)))
         return jnp.minimum(live, jnp.maximum(self.topk_floor, ceil_pct(self.topk_pct, live)))
 
-    def plan(self, prompt_cap: int, total_cap: int, block_size: int) -> tuple[int, int]:
+    def plan(self, prompt_cap: int, total_cap: int, block_size: int, chunk: int = 512):
         if not self.evicts:
             return total_cap, total_cap
         decode = self.capacity(total_cap) + (self.interval_blocks + 1) * block_size
@@ -140,7 +140,34 @@ class MaskAhead(Dense):
         recent = slot >= (cache.length[None, :, None, None] - self.recent)
         return cache.valid & (recent | ((cache.pos >= 0) & (cache.pos < self.sinks)))
 
-    def evict(self, cache: KVCache, mass0, probe_mass, keep, capacity: int) -> KVCache:
+    def evict(self, cache: KVCache, mass0, probe_mass, keep, capacity: int, pinned=None) -> KVCache:
+        """Keep `keep` [B] entries per lane (forced ones first), compacted into `capacity` slots."""
         scores = self.eviction_scores(cache, mass0, probe_mass)
-        scores = jnp.where(self.forced(cache), jnp.inf, scores)
+        forced = self.forced(cache) if pinned is None else self.forced(cache) | (pinned & cache.valid)
+        scores = jnp.where(forced, jnp.inf, scores)
         return kvc.keep_top(cache, scores, keep, capacity)
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundedPrefillMaskAhead(MaskAhead):
+    """MaskAhead that also evicts during chunked prefill (the released `ours_prefill_qprobe`):
+    after each stored chunk, a probe of the question (the prompt's last `question_tokens` tokens
+    at their real positions) plus lookahead_blocks - 1 mask blocks scores the cache, and rows
+    over C(seen) are compacted; the question span can be pinned. Peak KV memory stays near the
+    capacity plus one prefill chunk instead of the whole prompt."""
+
+    name = "maskahead-bounded"
+    question_tokens: int = 64
+    pin_question: bool = True
+    bounded_prefill = True
+
+    def plan(self, prompt_cap: int, total_cap: int, block_size: int, chunk: int = 512):
+        _, decode = super().plan(prompt_cap, total_cap, block_size, chunk)
+        # prefill buffer: C(prompt) + one chunk is all that is ever live while prefilling
+        pre = self.capacity(prompt_cap) + chunk
+        return min(prompt_cap, pre), decode
+
+    def validate(self, cfg, gen) -> None:
+        super().validate(cfg, gen)
+        if self.question_tokens <= 0:
+            raise PolicyError(f"question_tokens must be positive, got {self.question_tokens}")
