@@ -71,7 +71,9 @@ def test_prompt_too_long_is_a_clear_error():
 
 def test_compiles_once_for_different_block_counts():
     """Runs that stop after different numbers of blocks (EOS is data) share one compile."""
-    from maskahead_jax import generate as G
+    import importlib
+
+    G = importlib.import_module("maskahead_jax.generate")
 
     m = tiny_model("sdar", seed=7)
     free = GenerationConfig(max_new_tokens=48, prefill_chunk=16, stop_at_eos=False)
