@@ -6,6 +6,10 @@ Decoding: the answer blocks are filled by threshold decoding (commit every maske
 current block whose top probability >= --threshold, at least the most confident one per step),
 block by block, no KV cache (a full forward per step; the dense reference). Held-out seeds start at
 --seed (training draws its seeds from [1e7, 2^31)).
+
+This is the uncached dense reference. Cached generation with KV-cache policies and budget sweeps
+(the same suite, resumable JSONL results, tables, sign tests, plots) is `maskahead eval --suite`
+(maskahead_jax/evaluation; docs/evaluation.md).
 """
 from __future__ import annotations
 

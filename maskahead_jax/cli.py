@@ -133,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capacity", type=float, default=10.0)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--kv-budget-gb", type=float, default=40.0, help="KV memory budget for serving capacity")
+    p.add_argument("--max-positions", type=int, default=None,
+                   help="override the model's max_position_embeddings (timing runs beyond the trained range)")
     p.add_argument("--out", default=None, help="also write the JSON here")
 
     d = sub.add_parser("demo", help="testbed needle prompts: dense vs MaskAhead side by side")
@@ -222,6 +224,10 @@ def cmd_profile(args) -> int:
             args.preset = PR.SHAPE_PRESET.get(args.shape.lower())
     else:
         model, label = _load(args.model, args.dtype)
+    if args.max_positions:
+        from .api import Model
+
+        model = Model(model.config.replace(max_position_embeddings=args.max_positions), model.params)
     res = PR.profile(model, args.prompt_len, args.out_len, _csv(args.batch, int), _csv(args.policies),
                      capacity=args.capacity, gen=_gen(args), repeats=args.repeats,
                      policy_kw=_kw(args.policy_kw),

@@ -36,6 +36,13 @@ def pareto(summary: dict, path: str) -> str:
                     ax.annotate(f"{r['capacity']:g}%", (r["reduction_final"], r["score"]), fontsize=7,
                                 xytext=(3, 3), textcoords="offset points")
     ax.set_xscale("log")
+    from matplotlib.ticker import FuncFormatter
+
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
+    ax.xaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}x" if v in (2, 3, 5, 20, 30, 50) else ""))
+    ys = [r["score"] for r in summary["runs"] if r["score"] == r["score"]]
+    if ys and min(ys) >= 0 and max(ys) <= 100:
+        ax.set_ylim(-3, 103)
     ax.set_xlabel("KV memory reduction at the end (x, log)")
     ax.set_ylabel("score (x100)")
     ax.set_title("score vs KV memory reduction")
@@ -55,16 +62,16 @@ def needle_heatmaps(rows, out_dir: str) -> dict:
     for r in rows:
         if r.get("length") is None or r.get("depth") is None:
             continue
-        cap = "full" if r.get("capacity") is None else f"{r['capacity']:g}%"
-        grid[r["dataset"]][(r["policy"], cap)].append(r)
+        grid[r["dataset"]][(r["policy"], r.get("capacity"))].append(r)
     for ds, runs in grid.items():
-        keys = sorted(runs, key=lambda k: (k[0] != "dense", k))
+        keys = sorted(runs, key=lambda k: (k[0] != "dense", k[0], -1.0 if k[1] is None else k[1]))
         lengths = sorted({r["length"] for rs in runs.values() for r in rs})
         depths = sorted({r["depth"] for rs in runs.values() for r in rs})
         n = len(keys)
         cols = min(n, 4)
         nrows = (n + cols - 1) // cols
-        fig, axes = plt.subplots(nrows, cols, figsize=(3.2 * cols + 0.8, 2.8 * nrows), squeeze=False)
+        fig, axes = plt.subplots(nrows, cols, figsize=(3.2 * cols + 0.8, 2.8 * nrows + 0.4), squeeze=False,
+                                 layout="constrained")
         im = None
         for ax, k in zip(axes.flat, keys):
             m = np.full((len(depths), len(lengths)), np.nan)
@@ -76,7 +83,7 @@ def needle_heatmaps(rows, out_dir: str) -> dict:
             im = ax.imshow(m, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="upper")
             ax.set_xticks(range(len(lengths)), [str(x) for x in lengths], fontsize=7)
             ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths], fontsize=7)
-            ax.set_title(f"{k[0]} @ {k[1]}", fontsize=9)
+            ax.set_title(f"{k[0]} @ {'full' if k[1] is None else f'{k[1]:g}%'}", fontsize=9)
             ax.set_xlabel("context length", fontsize=8)
             ax.set_ylabel("depth", fontsize=8)
             for (i, j), v in acc.items():
