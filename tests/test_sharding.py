@@ -168,10 +168,12 @@ def test_mp_dense_data2_model4_matches_unsharded_every_family():
     assert all(r["devices"] == 8 for r in ran)
 
 
-@pytest.mark.parametrize("policy", ["maskahead", "qmaskahead"])
+@pytest.mark.parametrize("policy", ["maskahead", "q-maskahead"])
 def test_mp_policies_data2_model4_match_unsharded(policy):
+    q = policy == "q-maskahead"  # whole 32-token key groups: longer prompts, 32-token blocks
     recs = _run("parity.py", "--mesh", "data=2,model=4", "--families", "sdar,llada2",
-                "--policies", policy, "--new", "24")
+                "--policies", policy, "--new", "64" if q else "24",
+                "--lens", "150,90,120,60" if q else "70,45,33,20", "--chunk", "64" if q else "32")
     ran, skipped = _check_parity(recs)
     if skipped and not ran:
         pytest.skip(f"policy {policy!r} unavailable: {skipped[0]['skipped']}")

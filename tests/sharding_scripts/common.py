@@ -32,6 +32,17 @@ SMALL = dict(capacity_pct=10, capacity_floor=24, topk_pct=5, topk_floor=16, dens
              recent=8, interval_blocks=2, lookahead_blocks=3)
 
 
+# Q-MaskAhead needs head_dim, block_size and prefill_chunk in multiples of 32 (whole key groups);
+# these budgets select every block and evict after every block (as tests/test_qmaskahead.py)
+Q_SMALL = dict(capacity_pct=30, capacity_floor=64, topk_pct=30, topk_floor=32, dense_layers=1, sinks=2,
+               recent=32, interval_blocks=1, lookahead_blocks=2)
+Q_MODEL = dict(head_dim=32, block_size=32)
+
+
+def is_quantized(name: str) -> bool:
+    return name.lower().replace("_", "-") in ("q-maskahead", "qmaskahead")
+
+
 def make_policy(name: str):
     """(policy, None) or (None, reason it is unavailable)."""
     if name == "dense":
@@ -43,6 +54,8 @@ def make_policy(name: str):
     if not hasattr(policies, "make"):
         return None, "maskahead_jax.policies.make does not exist yet"
     try:
+        if is_quantized(name):
+            return policies.make("q-maskahead", **Q_SMALL), None
         return policies.make(name, **SMALL), None
     except Exception as e:
         return None, f"policies.make({name!r}, ...) failed: {e!r}"

@@ -9,7 +9,7 @@ import argparse
 import json
 import time
 
-from common import make_policy, prompts, setup
+from common import Q_MODEL, is_quantized, make_policy, prompts, setup
 
 
 def main():
@@ -33,10 +33,12 @@ def main():
 
     mesh = shd.make_mesh(a.mesh)
     ps = prompts([int(x) for x in a.lens.split(",")])
-    gc = GenerationConfig(max_new_tokens=a.new, prefill_chunk=a.chunk, stop_at_eos=False)
     for fam in a.families.split(","):
-        m = tiny_model(fam, num_heads=8, num_kv_heads=4)
         for pname in a.policies.split(","):
+            q = is_quantized(pname)
+            m = tiny_model(fam, num_heads=8, num_kv_heads=4, **(Q_MODEL if q else {}))
+            gc = GenerationConfig(max_new_tokens=a.new, prefill_chunk=max(a.chunk, 64) if q else a.chunk,
+                                  stop_at_eos=False)
             pol, why = make_policy(pname)
             rec = dict(family=fam, policy=pname, mesh=a.mesh, devices=jax.device_count())
             if why:
