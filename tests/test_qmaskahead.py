@@ -164,4 +164,6 @@ def test_invalid_settings_are_clear_errors():
     with pytest.raises(PolicyError, match="block_size"):
         generate(_model(block_size=16), [[1, 2]], GenerationConfig(max_new_tokens=8, prefill_chunk=64),
                  policy=QMaskAhead(**SMALL))
+    with pytest.raises(PolicyError, match="block-causal"):
+        generate(tiny_model("llada", head_dim=32, block_size=32), [[1, 2]], gc, policy=QMaskAhead(**SMALL))
     assert isinstance(make("q-maskahead"), MaskAhead)

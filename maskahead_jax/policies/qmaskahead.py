@@ -50,6 +50,9 @@ class QMaskAhead(MaskAhead):
         super().validate(cfg, gen)
         if self.bits not in quant.SUPPORTED_BITS:
             raise PolicyError(f"bits must be one of {quant.SUPPORTED_BITS}, got {self.bits}")
+        if cfg.attention != "block_causal":
+            raise PolicyError("q-maskahead needs a block-causal family (its packed cache is the "
+                              "block-causal core's; the bidirectional core keeps a float cache)")
         g = quant.GROUP
         for what, n in (("head_dim", cfg.head_dim), ("block_size", gen.block_size),
                         ("prefill_chunk", gen.prefill_chunk)):
