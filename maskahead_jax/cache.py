@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from .model import Context
+from .sharding import take_slots, top_k as slot_top_k  # plain jnp ops without a seq-sharded mesh
 
 
 class KVCache(NamedTuple):
@@ -84,8 +85,7 @@ def gather(cache: KVCache, idx: jax.Array, keep: jax.Array) -> KVCache:
     """
     if not isinstance(cache, KVCache):
         return cache.gather(idx, keep)
-    take = lambda a: jnp.take_along_axis(a, idx, axis=3)
-    takev = lambda a: jnp.take_along_axis(a, idx[..., None], axis=3)
+    take = takev = lambda a: take_slots(a, idx)  # take_along_axis over slots (seq-sharded aware)
     valid = take(cache.valid) & keep
     return KVCache(k=takev(cache.k), v=takev(cache.v), pos=jnp.where(valid, take(cache.pos), -1),
                    valid=valid, acc=jnp.where(valid, take(cache.acc), 0.0),
@@ -103,11 +103,11 @@ def keep_top(cache: KVCache, scores: jax.Array, keep_count: jax.Array, capacity:
     n = cache.capacity
     scores = jnp.where(cache.valid, scores.astype(jnp.float32), -jnp.inf)
     kk = min(capacity, n)
-    _, top = jax.lax.top_k(scores, kk)  # [L, B, Hkv, kk] best first
+    _, top = slot_top_k(scores, kk)  # [L, B, Hkv, kk] best first (two-stage when seq-sharded)
     rank_ok = jnp.arange(kk) < keep_count[None, :, None, None]
-    chosen_valid = jnp.take_along_axis(cache.valid, top, axis=3) & rank_ok
+    chosen_valid = take_slots(cache.valid, top) & rank_ok
     # sort the chosen slots by position (invalid last) so lanes stay position-ordered
-    key = jnp.where(chosen_valid, jnp.take_along_axis(cache.pos, top, axis=3), jnp.iinfo(jnp.int32).max)
+    key = jnp.where(chosen_valid, take_slots(cache.pos, top), jnp.iinfo(jnp.int32).max)
     order = jnp.argsort(key, axis=3)
     idx = jnp.take_along_axis(top, order, axis=3)
     keep = jnp.take_along_axis(chosen_valid, order, axis=3)

@@ -261,3 +261,19 @@ def test_mp_load_model_straight_into_shards_hf_and_orbax(tmp_path):
     for r in recs:
         assert r["shardings_ok"] and r["values_equal"], r
         assert r["sharded_leaves"] > 0 and r["max_bytes_per_device"] < r["full_bytes"], r
+
+
+def test_mp_seq_sharded_top_k_and_compaction_are_exact_and_move_no_slot_axis():
+    (r,) = _run("seq_ops_check.py", "--mesh", "data=2,seq=4")
+    assert all(v for k, v in r.items() if k.endswith("_equal")), r
+    assert r["keep_top_slot_collectives"] == [], r  # two-stage top-k + psum gather: K-sized only
+    assert r["plain_slot_collectives"], r  # control: GSPMD's plain top_k gathers the slot axis
+
+
+def test_mp_seq_sharded_maskahead_matches_unsharded():
+    recs = _run("parity.py", "--mesh", "data=2,seq=4", "--families", "sdar", "--policies", "maskahead",
+                "--lens", "300,190", "--chunk", "64", "--new", "24")
+    ran, skipped = _check_parity(recs)
+    if skipped and not ran:
+        pytest.skip(f"maskahead unavailable: {skipped[0]['skipped']}")
+    assert all(r["evictions"] >= 1 for r in ran), ran
