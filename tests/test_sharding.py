@@ -195,13 +195,16 @@ def test_mp_seq_sharding_lowers_per_device_kv_memory():
     assert four["temp_bytes"] < one["temp_bytes"]
 
 
-@pytest.mark.parametrize("family", ["sdar", "llada2", "llada"])
-def test_mp_decode_step_hlo_has_no_kv_cache_all_gather(family):
-    (r,) = _run("hlo_check.py", "--family", family, "--mesh", "data=2,model=4")
-    assert r["k_spec"] == str(P(None, "data", "model"))
+@pytest.mark.parametrize("family,mesh", [("sdar", "data=2,model=4"), ("llada2", "data=2,model=4"),
+                                         ("llada", "data=2,model=4"), ("sdar", "data=2,seq=4"),
+                                         ("llada2", "data=2,seq=4")])
+def test_mp_decode_step_hlo_has_no_kv_cache_all_gather(family, mesh):
+    (r,) = _run("hlo_check.py", "--family", family, "--mesh", mesh)
+    want = P(None, "data", "model") if "model" in mesh else P(None, "data", None, "seq")
+    assert r["k_spec"] == str(want)
     assert r["local_k"] * 8 == r["global_k"]
     assert r["cache_sized_gathers"] == [], r
-    if family != "llada2":  # dense MLP: Megatron pattern, two all-reduces per layer, no gathers
+    if family != "llada2" and "model" in mesh:  # Megatron pattern: two all-reduces per layer only
         assert r["all_gathers"] == []
 
 
