@@ -136,10 +136,13 @@ def profile(model, prompt_len: int, out_len: int, batch_sizes: Sequence[int],
             st = o.stats
             fw = max(1, st["nfe_batch"] - o_pre.stats["nfe_batch"])
             tok_dec = sum(len(t) for t in o.tokens) - sum(len(t) for t in o_pre.tokens)
-            dec = max(t_e2e - t_pre, 1e-9)
-            run = dict(policy=p, batch=int(b), prefill_s=t_pre, decode_s=dec, e2e_s=t_e2e,
-                       forwards=st["nfe_batch"], decode_forwards=fw, decode_ms_per_forward=1e3 * dec / fw,
-                       decode_tok_s=tok_dec / dec, e2e_tok_s=sum(len(t) for t in o.tokens) / t_e2e,
+            dec = t_e2e - t_pre
+            ok = dec > 0
+            run = dict(policy=p, batch=int(b), prefill_s=t_pre, decode_s=dec if ok else None, e2e_s=t_e2e,
+                       forwards=st["nfe_batch"], decode_forwards=fw,
+                       decode_ms_per_forward=1e3 * dec / fw if ok else None,
+                       decode_tok_s=tok_dec / dec if ok else None,
+                       e2e_tok_s=sum(len(t) for t in o.tokens) / t_e2e,
                        kv_peak_bytes=float(sum(st["kv_bytes_peak"])),
                        dense_peak_bytes=float(sum(st["dense_bytes_peak"])),
                        kv_final_bytes=float(sum(st["kv_bytes_final"])),
@@ -148,9 +151,12 @@ def profile(model, prompt_len: int, out_len: int, batch_sizes: Sequence[int],
             per_row_peak[p] = max(st["kv_bytes_peak"])
             if p == "dense":
                 base = run
+            if not ok:
+                run["warning"] = ("e2e time <= prefill-run time: timing noise (a busy machine?); "
+                                  "rerun with --repeats 3 or more")
             if base is not None:
-                run.update(speedup_decode=base["decode_s"] / dec, speedup_e2e=base["e2e_s"] / t_e2e,
-                           speedup_prefill=base["prefill_s"] / t_pre)
+                run.update(speedup_decode=base["decode_s"] / dec if ok and base["decode_s"] else None,
+                           speedup_e2e=base["e2e_s"] / t_e2e, speedup_prefill=base["prefill_s"] / t_pre)
             res["runs"].append(run)
             print(f"[profile] {p} batch={b}: prefill {t_pre:.3f}s decode {dec:.3f}s e2e {t_e2e:.3f}s "
                   f"peak KV {run['kv_peak_bytes'] / 2**20:.1f} MiB", file=log, flush=True)

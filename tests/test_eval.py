@@ -253,5 +253,12 @@ def test_budget_plot_when_exposed(tmp_path):
     b = PO.policy_budgets(Fake(), {})
     assert b["layer"] == [4.0, 8.0, 2.0] and np.asarray(b["head"]).shape == (3, 2)
     assert PO.policy_budgets(Dense(), {"nfe": [1]}) is None
+    try:  # MaskKV's offline layer allocation, when the registry has it
+        mk = PO.make_policy("maskkv", 10)
+    except PO.PolicyError:
+        mk = None
+    if mk is not None:
+        lb = PO.policy_budgets(mk, {}, num_layers=4, prompt_lens=[400, 400])
+        assert len(lb["layer"]) == 4 and sum(lb["layer"]) == pytest.approx(4 * 40)
     paths = PL.budget_plots({"maskkv@5": b}, str(tmp_path))
     assert os.path.getsize(paths["budgets_maskkv_5"]) > 0

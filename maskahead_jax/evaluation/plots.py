@@ -114,6 +114,7 @@ def budget_plots(budgets: dict, out_dir: str) -> dict:
         if layer:
             arr = np.asarray(layer, float).reshape(-1)
             axes[0, i].bar(range(len(arr)), arr)
+            axes[0, i].set_xticks(range(len(arr)))
             axes[0, i].set_xlabel("layer")
             axes[0, i].set_ylabel("budget")
             axes[0, i].set_title("per-layer budget")

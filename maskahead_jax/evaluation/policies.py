@@ -77,40 +77,42 @@ def make_policy(name: str, capacity_pct: Optional[float] = None, **kw):
         raise PolicyError(f"cannot build policy {name!r} (capacity {capacity_pct}): {e}") from e
 
 
-def policy_budgets(policy, stats: Optional[dict] = None):
-    """Per-layer / per-head budgets a policy exposes (MaskKV), else None.
+def policy_budgets(policy, stats: Optional[dict] = None, num_layers: Optional[int] = None,
+                   prompt_lens=None):
+    """Per-layer / per-head budgets a policy exposes (MaskKV and its allocation baselines), else None.
 
-    Looks for stats['layer_budgets'/'head_budgets'], then policy attributes or a `budgets()`
-    method. Returns {'layer': [L] or None, 'head': [[L x H]] or None}."""
+    Sources, in order: stats['layer_budgets' / 'head_budgets'] (if the engine reports them);
+    array-valued attributes `layer_budgets` / `head_budgets`; for MaskKV-style policies
+    (`per_head_budget(plen)` and `layer_budgets(b_head, num_layers)` methods) the layer budgets
+    of the offline allocation, computed for each prompt length in `prompt_lens` and averaged
+    (the online head split needs the mask-voting scores and is only plotted when reported).
+    Returns {'layer': [L] or None, 'head': [[L x H]] or None}."""
     import numpy as np
 
-    def grab(src, key):
-        v = src.get(key) if isinstance(src, dict) else getattr(src, key, None)
-        if callable(v):
-            try:
-                v = v()
-            except Exception:
-                return None
-        if v is None:
+    def arr(v):
+        if v is None or callable(v):
             return None
         try:
-            return np.asarray(v, dtype=float).tolist()
-        except Exception:
+            a = np.asarray(v, dtype=float)
+        except (TypeError, ValueError):
             return None
+        return a.tolist() if a.size else None
 
-    out = {}
+    out = {"layer": None, "head": None}
     for src in ([stats] if stats else []) + [policy]:
         for key, name in (("layer_budgets", "layer"), ("head_budgets", "head")):
-            if name not in out or out[name] is None:
-                out[name] = grab(src, key)
-        if hasattr(src, "budgets") and callable(getattr(src, "budgets")) and not out.get("layer"):
-            try:
-                b = src.budgets()
-                if isinstance(b, dict):
-                    out["layer"] = out.get("layer") or grab(b, "layer")
-                    out["head"] = out.get("head") or grab(b, "head")
-            except Exception:
-                pass
-    if not out.get("layer") and not out.get("head"):
+            v = src.get(key) if isinstance(src, dict) else getattr(src, key, None)
+            if out[name] is None:
+                out[name] = arr(v)
+    if out["layer"] is None and num_layers and prompt_lens is not None \
+            and callable(getattr(policy, "per_head_budget", None)) \
+            and callable(getattr(policy, "layer_budgets", None)):
+        try:
+            per = [np.asarray(policy.layer_budgets(policy.per_head_budget(int(n)), int(num_layers)),
+                              dtype=float).reshape(-1) for n in prompt_lens]
+            out["layer"] = np.mean(per, axis=0).tolist() if per else None
+        except Exception:
+            pass
+    if out["layer"] is None and out["head"] is None:
         return None
     return out

@@ -155,9 +155,9 @@ def run_sweep(model, examples: Sequence[EvalExample], policies: Sequence[str],
                         raise
                     break
                 st = out.stats
-                b = policy_budgets(policy, st)
+                b = policy_budgets(policy, st, model.config.num_layers, [len(e.ids) for e in batch])
                 if b is not None:
-                    budgets[f"{p}@{cap_label(c)}"] = b
+                    budgets.setdefault(f"{p}@{cap_label(c)}", []).append((b, len(batch)))
                 lines = []
                 for i, e in enumerate(batch):
                     pred = tokenizer.decode(out.tokens[i])
@@ -183,6 +183,7 @@ def run_sweep(model, examples: Sequence[EvalExample], policies: Sequence[str],
     if bar is not None:
         bar.close()
     if budgets:
+        budgets = {k: _avg_budgets(v) for k, v in budgets.items()}
         old = {}
         bpath = os.path.join(out_dir, "budgets.json")
         if os.path.exists(bpath):
@@ -204,6 +205,16 @@ def run_sweep(model, examples: Sequence[EvalExample], policies: Sequence[str],
         from . import plots as P
         paths.update(P.make_plots(mine, summary, out_dir))
     return SweepResult(rows=mine, summary=summary, paths=paths, errors=errors)
+
+
+def _avg_budgets(items) -> dict:
+    """Example-weighted mean of per-batch budgets (entries whose shapes differ are dropped)."""
+    out = {}
+    for name in ("layer", "head"):
+        arrs = [(np.asarray(b[name], float), n) for b, n in items if b.get(name) is not None]
+        arrs = [(a, n) for a, n in arrs if a.shape == arrs[0][0].shape]
+        out[name] = (sum(a * n for a, n in arrs) / sum(n for _, n in arrs)).tolist() if arrs else None
+    return out
 
 
 def _mean(xs):
