@@ -101,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--capacity", default="10", help="comma-separated %% budgets, e.g. 5,10,20")
     e.add_argument("--out", required=True, help="output folder (results.jsonl, summary.md/json, *.png)")
     e.add_argument("--batch-size", type=int, default=8)
+    e.add_argument("--bucket", default="auto",
+                   help="prompt-length bucket quantum in tokens, or auto (<= 12.5%% padding)")
     e.add_argument("--max-new-tokens", type=int, default=None, help="override the per-dataset lengths")
     e.add_argument("--suite", action="store_true", help="the testbed task suite")
     e.add_argument("--tasks", default="passkey,multikey,twohop,docqa,longanswer")
@@ -207,6 +209,7 @@ def cmd_eval(args) -> int:
     res = run_sweep(model, exs, policies, caps, args.out, tok, gen=gen, batch_size=args.batch_size,
                     max_new_tokens=args.max_new_tokens, progress=not args.no_progress, strict=args.strict,
                     plots=not args.no_plots, policy_factory=_factory(_kw(args.policy_kw)),
+                    bucket=args.bucket if args.bucket == "auto" else _csv(args.bucket, int)[0],
                     meta=dict(model=path, preset=args.preset, argv=sys.argv[1:]))
     print(open(res.paths["summary_md"]).read())
     print(json.dumps({k: v for k, v in res.paths.items()}, indent=1))

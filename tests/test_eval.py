@@ -11,7 +11,7 @@ from maskahead_jax.evaluation import plots as PL
 from maskahead_jax.evaluation import policies as PO
 from maskahead_jax.evaluation.presets import preset_config
 from maskahead_jax.evaluation.stats import paired_sign_test, sign_test
-from maskahead_jax.evaluation.sweep import load_rows, run_sweep, to_markdown
+from maskahead_jax.evaluation.sweep import auto_bucket, load_rows, run_sweep, to_markdown
 from maskahead_jax.policies import Dense
 from tiny import tiny_model
 
@@ -262,3 +262,30 @@ def test_budget_plot_when_exposed(tmp_path):
         assert len(lb["layer"]) == 4 and sum(lb["layer"]) == pytest.approx(4 * 40)
     paths = PL.budget_plots({"maskkv@5": b}, str(tmp_path))
     assert os.path.getsize(paths["budgets_maskkv_5"]) > 0
+
+
+def test_auto_bucket():
+    assert auto_bucket(1) == 64 and auto_bucket(500) == 64 and auto_bucket(600) == 128
+    assert auto_bucket(8000) == 1024 and auto_bucket(30000) == 4096
+    for n in (1500, 3000, 8193, 31000):  # above 512 the 64-token floor no longer applies
+        q = auto_bucket(n)
+        assert (-(-n // q) * q - n) <= 0.125 * 2 ** (n - 1).bit_length()
+
+
+def test_hf_tokenizer_with_chat_template(tmp_path):
+    """A folder with tokenizer_config.json loads through transformers and applies its template."""
+    import shutil
+
+    from maskahead_jax.tasks import TOKENIZER_PATH
+
+    shutil.copy(TOKENIZER_PATH, tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "[BOS]", "eos_token": "[EOS]",
+        "pad_token": "[PAD]", "mask_token": "[MASK]", "unk_token": "[UNK]",
+        "chat_template": "{% for m in messages %}question : {{ m['content'] }} {% endfor %}answer :"}))
+    tok = D.load_tokenizer(str(tmp_path))
+    assert tok.hf and tok.has_chat_template
+    ids = tok.encode_prompt("the pass key is 42")
+    assert tok.decode(ids) == "question : the pass key is 42 answer :"
+    plain = D.load_tokenizer(os.path.dirname(TOKENIZER_PATH))
+    assert not plain.has_chat_template and plain.encode_prompt("the pass key")[0] == 1  # [BOS]

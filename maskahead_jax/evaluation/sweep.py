@@ -93,6 +93,13 @@ def _batches(exs: list[EvalExample], batch_size: int) -> list[list[EvalExample]]
     return out
 
 
+def auto_bucket(n: int) -> int:
+    """Prompt-bucket quantum for a batch whose longest prompt has n tokens: 64, or 1/8 of the
+    enclosing power of two (at most 8 buckets per octave, <= 12.5% padding), so a sweep over
+    long ragged prompts compiles a handful of shapes instead of one per batch."""
+    return max(64, 2 ** max(0, math.ceil(math.log2(max(n, 1))) - 3))
+
+
 @dataclasses.dataclass
 class SweepResult:
     rows: list
@@ -106,12 +113,14 @@ def run_sweep(model, examples: Sequence[EvalExample], policies: Sequence[str],
               gen: GenerationConfig = GenerationConfig(), batch_size: int = 8,
               max_new_tokens: Optional[int] = None, policy_factory: Callable = make_policy,
               progress: bool = True, strict: bool = False, plots: bool = True,
-              meta: Optional[dict] = None) -> SweepResult:
+              meta: Optional[dict] = None, bucket="auto", pad_batches: bool = True) -> SweepResult:
     """Run every (policy, capacity) on every example, appending to out_dir/results.jsonl.
 
     Rows already in the file are skipped (resume). Capacity-free policies (dense) run once.
     `gen` is the base GenerationConfig (a preset); max_new_tokens comes from each example unless
-    given. A failing run is reported in `errors` (and re-raised when strict)."""
+    given. A failing run is reported in `errors` (and re-raised when strict).
+    bucket: prompt-length bucket quantum ("auto": `auto_bucket`); pad_batches: fill a short last
+    batch with copies of its last prompt (outputs dropped) so it reuses the full batch's compile."""
     if batch_size <= 0:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
     if not examples:
@@ -147,8 +156,12 @@ def run_sweep(model, examples: Sequence[EvalExample], policies: Sequence[str],
                 bar.set_description(f"{p}@{cap_label(c)}")
             for batch in _batches(exs, batch_size):
                 cfg = dataclasses.replace(gen, max_new_tokens=int(max_new_tokens or batch[0].max_new_tokens))
+                prompts = [e.ids for e in batch]
+                if pad_batches and len(prompts) < batch_size and len(exs) > len(batch):
+                    prompts = prompts + [prompts[-1]] * (batch_size - len(prompts))
+                q = auto_bucket(max(len(x) for x in prompts)) if bucket == "auto" else int(bucket)
                 try:
-                    out = generate(model, [e.ids for e in batch], cfg, policy)
+                    out = generate(model, prompts, cfg, policy, bucket=q)
                 except Exception as e:
                     errors.append(dict(policy=p, capacity=c, error=f"{type(e).__name__}: {e}"))
                     if strict:
@@ -171,7 +184,7 @@ def run_sweep(model, examples: Sequence[EvalExample], policies: Sequence[str],
                         dense_bytes_peak=float(st["dense_bytes_peak"][i]),
                         nfe=int(st["nfe"][i]), n_prompt_tokens=len(e.ids), n_gen_tokens=len(out.tokens[i]),
                         length=e.meta.get("length"), depth=e.meta.get("depth"),
-                        batch_size=len(batch), batch_wall_s=float(st["wall_s"]),
+                        batch_size=len(prompts), batch_wall_s=float(st["wall_s"]),
                         evictions=int(st.get("evictions", 0)))
                     lines.append(json.dumps(row))
                     rows.append(row)
