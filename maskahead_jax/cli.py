@@ -143,7 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--length", type=int, default=512)
     d.add_argument("--depths", default="0.25,0.75")
     d.add_argument("--capacity", type=float, default=10.0)
-    d.add_argument("--policy", default="maskahead", help="the policy to compare with dense")
+    d.add_argument("--policy", default="maskahead",
+                   help="the policies to compare with dense, comma-separated (e.g. maskahead,q-maskahead)")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--policy-kw", default="capacity_floor=128,topk_floor=32",
                    help="knobs for the compared policy (the paper's floors, 512 / 256, exceed the "
@@ -259,19 +260,22 @@ def cmd_demo(args) -> int:
                       tokenizer=tok)
     cfg = _gen(argparse.Namespace(preset=None), max_new=exs[0].max_new_tokens)
     runs = [("dense", make_policy("dense"))]
-    note = None
-    try:
+    notes = []
+    for name in _csv(args.policy):
         try:
-            pol = make_policy(args.policy, args.capacity, **_kw(args.policy_kw))
-        except PolicyError:
-            pol = make_policy(args.policy, args.capacity)
-        runs.append((args.policy, pol))
-    except PolicyError as e:
-        note = f"note: {args.policy} is not available here ({e}); showing the dense cache only."
+            try:
+                pol = make_policy(name, args.capacity, **_kw(args.policy_kw))
+            except PolicyError:
+                pol = make_policy(name, args.capacity)
+            runs.append((name, pol))
+        except PolicyError as e:
+            notes.append(f"note: {name} is not available here ({e}); skipped.")
+    if len(runs) == 1:
+        notes.append("note: showing the dense cache only.")
     print(f"MaskAhead demo: testbed model ({path}), passkey needle, {args.length}-token prompts, "
           f"depths {args.depths}, capacity {args.capacity:g}%")
-    if note:
-        print(note)
+    for n in notes:
+        print(n)
     results = {}
     for name, pol in runs:
         ids = [e.ids for e in exs]

@@ -89,3 +89,9 @@ def test_demo_runs(capsys):
     assert cli.main(["demo", "--length", "128", "--depths", "0.5"]) == 0
     out = capsys.readouterr().out
     assert "dense" in out and "KV reduction" in out and "answer" in out
+
+
+def test_demo_missing_policy_falls_back_to_dense(capsys):
+    assert cli.main(["demo", "--length", "96", "--depths", "0.5", "--policy", "no-such-policy"]) == 0
+    out = capsys.readouterr().out
+    assert "not available" in out and "dense cache only" in out
