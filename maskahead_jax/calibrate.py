@@ -28,8 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import ModelConfig
-from .kernels import reference as ref
-from .model import apply_rope, embed, full_mask, moe_mlp, rms_norm, rope_tables, swiglu
+from .model import embed, full_mask, moe_mlp, rms_norm, rope_tables, swiglu
+from .model.decoder import attention_sublayer
 
 
 def _layer_params(params, cfg: ModelConfig, l: int):
@@ -37,26 +37,6 @@ def _layer_params(params, cfg: ModelConfig, l: int):
     if l < nd:
         return jax.tree_util.tree_map(lambda a: a[l], params["layers"]), False
     return jax.tree_util.tree_map(lambda a: a[l - nd], params["moe_layers"]), True
-
-
-def _attention_out(p, x, cos, sin, cfg: ModelConfig, mask):
-    """The attention sub-layer's output (before the residual add) for x [B, T, D]."""
-    b, t, _ = x.shape
-    h = rms_norm(x, p["attn_norm"], cfg.rms_eps)
-    q = jnp.einsum("btd,dhk->bthk", h, p["wq"])
-    k = jnp.einsum("btd,dhk->bthk", h, p["wk"])
-    v = jnp.einsum("btd,dhk->bthk", h, p["wv"])
-    if cfg.qkv_bias:
-        q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
-    if cfg.qk_norm:
-        q = rms_norm(q, p["q_norm"], cfg.rms_eps)
-        k = rms_norm(k, p["k_norm"], cfg.rms_eps)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    hk, g = cfg.num_kv_heads, cfg.group_size
-    qg = q.reshape(b, t, hk, g, cfg.head_dim).transpose(0, 2, 3, 1, 4)
-    out, _ = ref.attention(qg, None, None, None, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask)
-    out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, cfg.num_heads, cfg.head_dim)
-    return jnp.einsum("bthk,hkd->btd", out, p["wo"])
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -71,7 +51,7 @@ def _cos_sums(params, tokens, valid, *, cfg: ModelConfig):
     for l in range(cfg.num_layers):
         p, moe = _layer_params(params, cfg, l)
         h_in = x
-        h_out = x + _attention_out(p, x, cos, sin, cfg, mask)
+        h_out = x + attention_sublayer(p, x, cos, sin, cfg, None, mask)[0]
         a, o = h_in.astype(jnp.float32), h_out.astype(jnp.float32)
         c = (a * o).sum(-1) / jnp.maximum(jnp.linalg.norm(a, axis=-1) * jnp.linalg.norm(o, axis=-1), 1e-12)
         sums.append(jnp.where(valid, c, 0.0).sum())

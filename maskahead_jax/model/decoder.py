@@ -67,7 +67,10 @@ class StepOutput(NamedTuple):
     score: Optional[jax.Array]  # [L, B, Hkv, S]
 
 
-def _attention_block(p, x, cos, sin, cfg: ModelConfig, ctx, blk_mask, stat_rows):
+def attention_sublayer(p, x, cos, sin, cfg: ModelConfig, ctx, blk_mask, stat_rows=None):
+    """The attention sub-layer of one layer (pre-norm, before the residual add).
+
+    Returns (output [B, T, D], the block's keys/values [B, Hkv, T, Dh] after RoPE, stats)."""
     b, t, _ = x.shape
     h = rms_norm(x, p["attn_norm"], cfg.rms_eps)
     q = jnp.einsum("btd,dhk->bthk", h, p["wq"])
@@ -92,8 +95,12 @@ def _attention_block(p, x, cos, sin, cfg: ModelConfig, ctx, blk_mask, stat_rows)
         else:
             out, stats = ref.attention(qg, kc, vc, valid, kb, vb, blk_mask, stat_rows)
     out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, cfg.num_heads, cfg.head_dim)
-    x = x + jnp.einsum("bthk,hkd->btd", out, p["wo"])
-    return x, kb, vb, stats
+    return jnp.einsum("bthk,hkd->btd", out, p["wo"]), kb, vb, stats
+
+
+def _attention_block(p, x, cos, sin, cfg: ModelConfig, ctx, blk_mask, stat_rows):
+    out, kb, vb, stats = attention_sublayer(p, x, cos, sin, cfg, ctx, blk_mask, stat_rows)
+    return x + out, kb, vb, stats
 
 
 def _layer(cfg: ModelConfig, moe: bool, with_stats: bool):
