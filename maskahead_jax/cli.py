@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--policy", default="dense")
     g.add_argument("--capacity", type=float, default=10.0, help="KV capacity, %% of tokens seen")
     g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--mesh", default=None,
+                   help="device mesh, e.g. data=2,model=4 or seq=4 (docs/sharding.md); multi-process: "
+                        "set the MASKAHEAD_COORDINATOR / _NUM_PROCESSES / _PROCESS_ID env vars")
 
     e = sub.add_parser("eval", help="policies x budgets sweep")
     _add_model(e)
@@ -158,6 +161,9 @@ def cmd_generate(args) -> int:
     from .evaluation.policies import make_policy
     from .generate import generate
 
+    if args.mesh:
+        from .distributed import initialize
+        initialize(required=False)  # multi-process when MASKAHEAD_* env vars are set
     model, path = _load(args.model, args.dtype)
     tok = load_tokenizer(path)
     if args.ids is not None:
@@ -167,7 +173,7 @@ def cmd_generate(args) -> int:
     else:
         ids = tok.encode_prompt(args.prompt, chat=args.chat)
     policy = _factory(_kw(args.policy_kw))(args.policy, args.capacity)
-    out = generate(model, [ids], _gen(args, args.max_new_tokens), policy)
+    out = generate(model, [ids], _gen(args, args.max_new_tokens), policy, mesh=args.mesh or None)
     st = out.stats
     print(json.dumps(dict(
         text=tok.decode(out.tokens[0]), tokens=out.tokens[0], policy=args.policy,
