@@ -289,3 +289,13 @@ def test_hf_tokenizer_with_chat_template(tmp_path):
     assert tok.decode(ids) == "question : the pass key is 42 answer :"
     plain = D.load_tokenizer(os.path.dirname(TOKENIZER_PATH))
     assert not plain.has_chat_template and plain.encode_prompt("the pass key")[0] == 1  # [BOS]
+
+
+def test_fallback_without_registry(monkeypatch):
+    import maskahead_jax.policies as P
+
+    monkeypatch.delattr(P, "make", raising=False)
+    assert PO.available() == ["dense"]
+    assert isinstance(PO.make_policy("dense", 10), Dense)
+    with pytest.raises(PO.PolicyError, match="not available"):
+        PO.make_policy("maskahead", 10)
