@@ -100,3 +100,15 @@ def test_bench_generate_prints_json(capsys):
     res = json.loads(capsys.readouterr().out)
     assert res["nfe"] > 0 and res["tokens_per_s"] > 0 and res["kv_bytes_peak"] > 0
     assert res["compile_s"] > 0 and res["decode_s"] >= 0
+
+
+def test_sampling_is_seeded_and_differs_from_greedy():
+    m = tiny_model("sdar", seed=11, scale=0.1)  # flat logits: sampling has room to differ
+    p = _prompts(5, (12,))
+    kw = dict(max_new_tokens=16, prefill_chunk=16, stop_at_eos=False, temperature=1.0, top_p=0.9)
+    a = generate(m, p, GenerationConfig(seed=0, **kw)).tokens
+    b = generate(m, p, GenerationConfig(seed=0, **kw)).tokens
+    c = generate(m, p, GenerationConfig(seed=1, **kw)).tokens
+    g = generate(m, p, GenerationConfig(max_new_tokens=16, prefill_chunk=16, stop_at_eos=False)).tokens
+    assert a == b
+    assert a != g and a != c
