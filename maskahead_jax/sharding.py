@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import math
 import re
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Mapping, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp

@@ -27,13 +27,17 @@ from tiny import FAMILIES, tiny_model
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPTS = os.path.join(HERE, "sharding_scripts")
 ALL_FAMILIES = list(FAMILIES)
+# forced CPU devices are threads of one process: on a loaded machine one of them can reach a
+# collective more than XLA's default 40 s after the others, and XLA then aborts the process
+SLOW_HOST_FLAGS = ("--xla_cpu_collective_call_terminate_timeout_seconds=1200 "
+                   "--xla_cpu_collective_call_warn_stuck_timeout_seconds=300")
 
 
 def _env(devices=None):
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
     if devices:
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices} {SLOW_HOST_FLAGS}"
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), HERE, env.get("PYTHONPATH", "")])
     return env

@@ -10,10 +10,13 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
 def setup(n_devices: int | None = None) -> None:
-    if n_devices:
-        flags = os.environ.get("XLA_FLAGS", "")
-        if "xla_force_host_platform_device_count" not in flags:
-            os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n_devices}".strip()
+    flags = os.environ.get("XLA_FLAGS", "")
+    if n_devices and "xla_force_host_platform_device_count" not in flags:
+        flags = f"{flags} --xla_force_host_platform_device_count={n_devices}"
+    if "collective_call_terminate_timeout" not in flags:  # loaded CI machines: see test_sharding.py
+        flags += (" --xla_cpu_collective_call_terminate_timeout_seconds=1200"
+                  " --xla_cpu_collective_call_warn_stuck_timeout_seconds=300")
+    os.environ["XLA_FLAGS"] = flags.strip()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     for p in (ROOT, os.path.join(ROOT, "tests")):
         if p not in sys.path:
