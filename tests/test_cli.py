@@ -72,7 +72,9 @@ def test_profile_testbed_dense(capsys):
     res = json.loads(capsys.readouterr().out)
     (run,) = res["runs"]
     assert run["policy"] == "dense" and run["batch"] == 1 and run["speedup_e2e"] == 1.0
-    assert run["e2e_s"] >= run["decode_s"] > 0 and run["kv_peak_bytes"] > 0
+    assert run["e2e_s"] > 0 and run["kv_peak_bytes"] > 0
+    # decode = e2e - prefill is only reported when timing noise leaves it positive (no timing asserts)
+    assert (run["decode_s"] is None and "warning" in run) or run["decode_s"] > 0
     assert res["serving"]["dense"]["max_batch"] == int(2 ** 30 // res["serving"]["dense"]["per_row_peak_bytes"])
 
 
