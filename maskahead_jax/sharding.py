@@ -177,32 +177,31 @@ def logical_to_spec(logical: Sequence[Optional[str]], shape: Sequence[int], mesh
     return P(*out)
 
 
+def _axes_of(path: tuple, name: str) -> tuple:
+    """Logical axes of the params leaf `name` under `path` (the decoder's pytree layout)."""
+    parent = path[-1] if path else None
+    table = (_TOP_AXES if not path else _EXPERT_AXES if parent == "experts" else
+             _MLP_AXES if parent in ("mlp", "shared") else _MOE_AXES if parent == "moe"
+             else _ATTN_AXES)
+    return table[name]
+
+
+def _map_leaves(tree, fn, path=()):
+    """{name: fn(path, name, leaf)} over a nested dict of params leaves."""
+    return {name: (_map_leaves(sub, fn, path + (name,)) if isinstance(sub, dict) else fn(path, name, sub))
+            for name, sub in tree.items()}
+
+
 def param_logical_axes(cfg: ModelConfig) -> dict:
     """The params pytree (as `param_shapes(cfg)`) with a tuple of logical axis names per leaf."""
 
-    def walk(tree, path):
-        out = {}
-        for name, sub in tree.items():
-            if isinstance(sub, dict):
-                out[name] = walk(sub, path + (name,))
-                continue
-            parent = path[-1] if path else None
-            if not path:
-                axes = _TOP_AXES[name]
-            elif parent == "experts":
-                axes = _EXPERT_AXES[name]
-            elif parent in ("mlp", "shared"):
-                axes = _MLP_AXES[name]
-            elif parent == "moe":
-                axes = _MOE_AXES[name]
-            else:
-                axes = _ATTN_AXES[name]
-            if len(axes) != len(sub):
-                raise ValueError(f"param {'/'.join(path + (name,))}: logical axes {axes} vs shape {sub}")
-            out[name] = axes
-        return out
+    def leaf(path, name, shape):
+        axes = _axes_of(path, name)
+        if len(axes) != len(shape):
+            raise ValueError(f"param {'/'.join(path + (name,))}: logical axes {axes} vs shape {shape}")
+        return axes
 
-    return walk(param_shapes(cfg), ())
+    return _map_leaves(param_shapes(cfg), leaf)
 
 
 def _is_shape(x):
@@ -252,21 +251,8 @@ def shard_params(params, mesh: Mesh, cfg: Optional[ModelConfig] = None,
 
 def params_specs_like(params, mesh, rules: Mapping[str, Optional[str]] = RULES) -> dict:
     """PartitionSpecs for a params pytree of the decoder layout, from its leaves' shapes."""
-
-    def walk(tree, path):
-        out = {}
-        for name, sub in tree.items():
-            if isinstance(sub, dict):
-                out[name] = walk(sub, path + (name,))
-                continue
-            parent = path[-1] if path else None
-            table = (_TOP_AXES if not path else _EXPERT_AXES if parent == "experts" else
-                     _MLP_AXES if parent in ("mlp", "shared") else _MOE_AXES if parent == "moe"
-                     else _ATTN_AXES)
-            out[name] = logical_to_spec(table[name], np.shape(sub), mesh, rules)
-        return out
-
-    return walk(params, ())
+    return _map_leaves(params, lambda path, name, leaf: logical_to_spec(
+        _axes_of(path, name), np.shape(leaf), mesh, rules))
 
 
 # ----------------------------------------------------------------------------- cache / inputs

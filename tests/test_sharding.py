@@ -95,6 +95,8 @@ def test_param_specs_cover_param_shapes(family):
     if "layers" in specs:
         assert specs["layers"]["mlp"]["gate"] == P(None, None, "model")
         assert specs["layers"]["mlp"]["down"] == P(None, "model")
+    # specs read off a params pytree's leaf shapes agree with the config-derived ones
+    assert shd.params_specs_like(tiny_model(family, num_heads=8, num_kv_heads=4).params, mesh) == specs
 
 
 def test_divisibility_fallback_and_axis_reuse():
