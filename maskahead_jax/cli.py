@@ -79,6 +79,18 @@ def _add_model(p, default_testbed=True):
                    help="policy knobs passed to policies.make, e.g. capacity_floor=128,topk_floor=32")
 
 
+def _add_mesh(parser) -> None:
+    parser.add_argument("--mesh", default=None,
+                        help="device mesh, e.g. data=2,model=4 or seq=4 (docs/sharding.md); multi-process: "
+                             "set the MASKAHEAD_COORDINATOR / _NUM_PROCESSES / _PROCESS_ID env vars")
+
+
+def _init_mesh(args) -> None:
+    if getattr(args, "mesh", None):
+        from .distributed import initialize
+        initialize(required=False)  # multi-process when MASKAHEAD_* env vars are set
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="maskahead", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -94,9 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--policy", default="dense")
     g.add_argument("--capacity", type=float, default=10.0, help="KV capacity, %% of tokens seen")
     g.add_argument("--max-new-tokens", type=int, default=32)
-    g.add_argument("--mesh", default=None,
-                   help="device mesh, e.g. data=2,model=4 or seq=4 (docs/sharding.md); multi-process: "
-                        "set the MASKAHEAD_COORDINATOR / _NUM_PROCESSES / _PROCESS_ID env vars")
+    _add_mesh(g)
 
     e = sub.add_parser("eval", help="policies x budgets sweep")
     _add_model(e)
@@ -124,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--math-max-new-tokens", type=int, default=2048)
     e.add_argument("--limit", type=int, default=None, help="examples per LongBench / math file")
     e.add_argument("--strict", action="store_true", help="stop at the first failing policy")
+    _add_mesh(e)
     e.add_argument("--no-plots", action="store_true")
     e.add_argument("--no-progress", action="store_true")
 
@@ -138,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capacity", type=float, default=10.0)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--kv-budget-gb", type=float, default=40.0, help="KV memory budget for serving capacity")
+    _add_mesh(p)
     p.add_argument("--max-positions", type=int, default=None,
                    help="override the model's max_position_embeddings (timing runs beyond the trained range)")
     p.add_argument("--out", default=None, help="also write the JSON here")
@@ -161,9 +173,7 @@ def cmd_generate(args) -> int:
     from .evaluation.policies import make_policy
     from .generate import generate
 
-    if args.mesh:
-        from .distributed import initialize
-        initialize(required=False)  # multi-process when MASKAHEAD_* env vars are set
+    _init_mesh(args)
     model, path = _load(args.model, args.dtype)
     tok = load_tokenizer(path)
     if args.ids is not None:
@@ -217,7 +227,7 @@ def cmd_eval(args) -> int:
                     max_new_tokens=args.max_new_tokens, progress=not args.no_progress, strict=args.strict,
                     plots=not args.no_plots, policy_factory=_factory(_kw(args.policy_kw)),
                     bucket=args.bucket if args.bucket == "auto" else _csv(args.bucket, int)[0],
-                    meta=dict(model=path, preset=args.preset, argv=sys.argv[1:]))
+                    meta=dict(model=path, preset=args.preset, argv=sys.argv[1:]), mesh=args.mesh)
     print(open(res.paths["summary_md"]).read())
     print(json.dumps({k: v for k, v in res.paths.items()}, indent=1))
     return 1 if res.errors and args.strict else 0
@@ -226,6 +236,7 @@ def cmd_eval(args) -> int:
 def cmd_profile(args) -> int:
     from . import profile as PR
 
+    _init_mesh(args)
     if args.shape:
         cfg = PR.shape_config(args.shape, args.layers)
         model = PR.random_model(cfg, dtype=args.dtype or "bfloat16")
@@ -241,7 +252,7 @@ def cmd_profile(args) -> int:
     res = PR.profile(model, args.prompt_len, args.out_len, _csv(args.batch, int), _csv(args.policies),
                      capacity=args.capacity, gen=_gen(args), repeats=args.repeats,
                      policy_kw=_kw(args.policy_kw),
-                     kv_budget_gb=args.kv_budget_gb)
+                     kv_budget_gb=args.kv_budget_gb, mesh=args.mesh)
     res["model"] = label
     res["preset"] = args.preset
     text = json.dumps(res, indent=1)

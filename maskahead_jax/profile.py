@@ -82,14 +82,14 @@ def _prompt(cfg: ModelConfig, n: int, seed: int) -> list:
     return [int(t) for t in ids if int(t) not in bad and int(t) < cfg.vocab_size][:n]
 
 
-def _timed(model, prompts, cfg, policy, repeats):
+def _timed(model, prompts, cfg, policy, repeats, mesh=None):
     from .generate import generate
 
-    generate(model, prompts, cfg, policy)  # compile
+    generate(model, prompts, cfg, policy, mesh=mesh)  # compile
     times, out = [], None
     for _ in range(max(1, repeats)):
         t0 = time.perf_counter()
-        out = generate(model, prompts, cfg, policy)
+        out = generate(model, prompts, cfg, policy, mesh=mesh)
         times.append(time.perf_counter() - t0)
     return statistics.median(times), out
 
@@ -97,7 +97,7 @@ def _timed(model, prompts, cfg, policy, repeats):
 def profile(model, prompt_len: int, out_len: int, batch_sizes: Sequence[int],
             policies: Sequence[str] = ("dense", "maskahead", "q-maskahead"), capacity: float = 10.0,
             gen: Optional[GenerationConfig] = None, repeats: int = 1, kv_budget_gb: float = 40.0,
-            seed: int = 0, log=sys.stderr, policy_kw: Optional[dict] = None) -> dict:
+            seed: int = 0, log=sys.stderr, policy_kw: Optional[dict] = None, mesh=None) -> dict:
     """Profile every policy at every batch size; see the module docstring for the method."""
     import jax
 
@@ -128,8 +128,8 @@ def profile(model, prompt_len: int, out_len: int, batch_sizes: Sequence[int],
         base = None
         for p, pol in pols.items():
             try:
-                t_pre, o_pre = _timed(model, prompts, pre, pol, repeats)
-                t_e2e, o = _timed(model, prompts, full, pol, repeats)
+                t_pre, o_pre = _timed(model, prompts, pre, pol, repeats, mesh)
+                t_e2e, o = _timed(model, prompts, full, pol, repeats, mesh)
             except Exception as e:  # e.g. out of memory at a large batch
                 res["skipped"].append(dict(policy=p, batch=b, reason=f"{type(e).__name__}: {str(e)[:300]}"))
                 continue
@@ -148,6 +148,13 @@ def profile(model, prompt_len: int, out_len: int, batch_sizes: Sequence[int],
                        kv_final_bytes=float(sum(st["kv_bytes_final"])),
                        reduction_peak=float(np.mean(st["reduction_peak"])),
                        reduction_final=float(np.mean(st["reduction_final"])))
+            if mesh is not None:  # per-device share of the cache under the mesh's rule shardings
+                from .sharding import kv_bytes_per_device, make_mesh
+
+                m = make_mesh(mesh) if isinstance(mesh, str) else mesh
+                share = kv_bytes_per_device(cfg, int(b), st["cache_capacity"], m)
+                run.update(mesh=str(dict(m.shape)), kv_shards=share["shards"],
+                           kv_peak_bytes_per_device=run["kv_peak_bytes"] / share["shards"])
             per_row_peak[p] = max(st["kv_bytes_peak"])
             if p == "dense":
                 base = run

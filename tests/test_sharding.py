@@ -201,6 +201,18 @@ def test_mp_seq_sharding_lowers_per_device_kv_memory():
     assert four["temp_bytes"] < one["temp_bytes"]
 
 
+def test_mp_profile_cli_reports_per_device_kv_under_seq_sharding():
+    """`maskahead profile --mesh seq=4` runs sharded and reports a 4x smaller per-device KV."""
+    p = subprocess.run([sys.executable, "-m", "maskahead_jax.cli", "profile", "--mesh", "seq=4",
+                        "--prompt-len", "128", "--out-len", "64", "--batch", "1", "--policies", "dense",
+                        "--kv-budget-gb", "1"], cwd=os.path.dirname(HERE), env=_env(4),
+                       capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    (run,) = json.loads(p.stdout)["runs"]
+    assert run["kv_shards"] == 4.0
+    assert run["kv_peak_bytes_per_device"] * 4 == run["kv_peak_bytes"]
+
+
 @pytest.mark.parametrize("family,mesh", [("sdar", "data=2,model=4"), ("llada2", "data=2,model=4"),
                                          ("llada", "data=2,model=4"), ("sdar", "data=2,seq=4"),
                                          ("llada2", "data=2,seq=4")])

@@ -113,7 +113,8 @@ def run_sweep(model, examples: Sequence[EvalExample], policies: Sequence[str],
               gen: GenerationConfig = GenerationConfig(), batch_size: int = 8,
               max_new_tokens: Optional[int] = None, policy_factory: Callable = make_policy,
               progress: bool = True, strict: bool = False, plots: bool = True,
-              meta: Optional[dict] = None, bucket="auto", pad_batches: bool = True) -> SweepResult:
+              meta: Optional[dict] = None, bucket="auto", pad_batches: bool = True,
+              mesh=None) -> SweepResult:
     """Run every (policy, capacity) on every example, appending to out_dir/results.jsonl.
 
     Rows already in the file are skipped (resume). Capacity-free policies (dense) run once.
@@ -161,7 +162,7 @@ def run_sweep(model, examples: Sequence[EvalExample], policies: Sequence[str],
                     prompts = prompts + [prompts[-1]] * (batch_size - len(prompts))
                 q = auto_bucket(max(len(x) for x in prompts)) if bucket == "auto" else int(bucket)
                 try:
-                    out = generate(model, prompts, cfg, policy, bucket=q)
+                    out = generate(model, prompts, cfg, policy, bucket=q, mesh=mesh)
                 except Exception as e:
                     errors.append(dict(policy=p, capacity=c, error=f"{type(e).__name__}: {e}"))
                     if strict:
