@@ -16,8 +16,11 @@ from .decoding import commit
 from .model import forward_logits
 
 
+_forward = jax.jit(forward_logits, static_argnames=("cfg", "attention"))  # one compile per length
+
+
 def _logits(params, cfg: ModelConfig, seq, attention):
-    return forward_logits(params, cfg, jnp.asarray([seq], jnp.int32), attention=attention)[0]
+    return _forward(params, cfg, jnp.asarray([seq], jnp.int32), attention=attention)[0]
 
 
 def reference_generate(model, prompt, config: GenerationConfig = GenerationConfig()) -> list[int]:
