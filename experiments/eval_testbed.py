@@ -1,10 +1,13 @@
-"""Dense greedy evaluation of an exported testbed folder on the task suite; prints JSON.
+"""Greedy evaluation of an exported testbed folder on the task suite, per (task, length, depth)
+cell; prints JSON.
 
   python experiments/eval_testbed.py --lengths 512,1024 --depths 0,0.25,0.5,0.75,1 --n 20
+  python experiments/eval_testbed.py --tasks passkey --lengths 2048 --policy streaming --capacity 10
 
-Decoding: the answer blocks are filled by threshold decoding (commit every masked position of the
-current block whose top probability >= --threshold, at least the most confident one per step),
-block by block, no KV cache (a full forward per step; the dense reference). Held-out seeds start at
+Decoding: threshold decoding (commit every masked position of the current block whose top
+probability >= --threshold, at least the most confident one per step), block by block. The default
+engine is the library's cached, jitted `generate` with a KV-cache policy (dense by default);
+`--engine reference` decodes with no cache (a full forward per step). Held-out seeds start at
 --seed (training draws its seeds from [1e7, 2^31)).
 
 This is the uncached dense reference. Cached generation with KV-cache policies and budget sweeps
@@ -25,7 +28,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from experiments.train_testbed import greedy_answers, load_hf, make_decoder  # noqa: E402
+from maskahead_jax import GenerationConfig, generate, load_pretrained  # noqa: E402
 from maskahead_jax import tasks as T  # noqa: E402
+from maskahead_jax.cli import _kw  # noqa: E402
+from maskahead_jax.evaluation.policies import make_policy  # noqa: E402
 
 MAX_NEW = {"passkey": 16, "multikey": 16, "twohop": 16, "docqa": 16, "longanswer": 160}
 
@@ -40,13 +46,26 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--threshold", type=float, default=0.85)
+    ap.add_argument("--engine", choices=("cached", "reference"), default="cached",
+                    help="cached: the library's jitted generate with a KV-cache policy; reference: "
+                         "no cache, a full forward per step")
+    ap.add_argument("--policy", default="dense", help="cached engine: a policy name (dense, streaming, ...)")
+    ap.add_argument("--capacity", type=float, default=10.0, help="cached engine: capacity %% for --policy")
+    ap.add_argument("--policy-kw", default="", help="policy knobs key=value,... (e.g. capacity_floor=64)")
     ap.add_argument("--update-readme", action="store_true",
                     help="write the results into the '## Measured scores' section of the model's README.md")
     args = ap.parse_args(argv)
-    params, cfg = load_hf(args.model)
+    if args.engine == "reference":
+        params, cfg = load_hf(args.model)
+        pred = make_decoder(cfg)
+    else:
+        model = load_pretrained(args.model)
+        policy = make_policy(args.policy, None if args.policy == "dense" else args.capacity,
+                             **({} if args.policy == "dense" else _kw(args.policy_kw)))
     tok = T.get_tokenizer(os.path.join(args.model, "tokenizer.json"))
-    pred = make_decoder(cfg)
-    out = {"model": args.model, "n_per_cell": args.n, "cells": {}, "summary": {}}
+    out = {"model": args.model, "engine": args.engine, "policy": args.policy,
+           "capacity": None if args.policy == "dense" else args.capacity,
+           "n_per_cell": args.n, "cells": {}, "summary": {}}
     for task in args.tasks.split(","):
         tot = []
         for n in [int(x) for x in args.lengths.split(",")]:
@@ -56,8 +75,12 @@ def main(argv=None):
                 scores = []
                 for b in range(0, len(exs), args.batch):
                     chunk = exs[b:b + args.batch]
-                    outs = greedy_answers(params, cfg, pred, [tok.encode(e.prompt).ids for e in chunk],
-                                          MAX_NEW[task], threshold=args.threshold)
+                    ids = [tok.encode(e.prompt).ids for e in chunk]
+                    if args.engine == "reference":
+                        outs = greedy_answers(params, cfg, pred, ids, MAX_NEW[task], threshold=args.threshold)
+                    else:
+                        outs = generate(model, ids, GenerationConfig(max_new_tokens=MAX_NEW[task],
+                                                                     threshold=args.threshold), policy).tokens
                     scores += [e.score(tok.decode(o)) for e, o in zip(chunk, outs)]
                 out["cells"][f"{task}/{n}/{d}"] = float(np.mean(scores))
                 tot += scores

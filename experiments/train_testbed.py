@@ -6,15 +6,24 @@ probability --suffix-prob a "prompt tail + masked answer" pattern: a random cut 
 position after it masked), the model reads concat(x_t, x0) with positions concat(arange, arange)
 and the mask: x_t block b sees x_t block b (bidirectional) and x0 blocks < b; x0 is block-causal.
 Loss: cross entropy on the masked positions of x_t (no token shift: a mask predicts its own token),
-answer tokens weighted --answer-weight. Data: the task suite's formats generated on the fly with
-several extra questions appended (MQAR-style: every answer is retrievable from the context), a
-curriculum over the sequence length. Held-out greedy needle accuracy (passkey / multikey / twohop,
-threshold decoding of the answer block) is logged during training.
+answer tokens weighted --answer-weight. Embeddings are tied (copying a context token is then an
+identity map through the residual stream).
+
+Data, generated on the fly: (1) the task suite's formats with extra questions appended
+(MQAR-style: every answer is retrievable from the context); with the stage's `packed` probability
+the context is packed with facts (many keys, little filler); (2) with --copy-prob, induction
+sequences (a random segment repeated after short filler). Curriculum over the sequence length,
+gated on held-out accuracy (a longer stage starts only once passkey/multikey accuracy reaches
+--gate, or 15% of the budget later). Held-out greedy needle accuracy (passkey / multikey /
+twohop, threshold decoding of the answer block) is logged every --eval-minutes.
+
+Everything is resumable: orbax checkpoints every --ckpt-minutes in --run-dir; re-running the same
+command continues (the time budget counts training time over all runs together).
 
 Usage:
-  python experiments/train_testbed.py --minutes 110            # train (resumes from runs/testbed)
-  python experiments/train_testbed.py --export-only            # export the latest checkpoint
-  python experiments/train_testbed.py --smoke                  # 2-3 minute loss check
+  python experiments/train_testbed.py --run-dir runs/tb3           # train 175 min (resumes)
+  python experiments/train_testbed.py --run-dir runs/tb3 --export-only   # export the latest checkpoint
+  python experiments/train_testbed.py --smoke                      # 2.5-minute loss check
 """
 from __future__ import annotations
 
@@ -45,11 +54,22 @@ BLOCK = 32
 
 # ----------------------------------------------------------------------------- model config
 def make_config(args, vocab: int) -> ModelConfig:
+    if getattr(args, "layout", "qwen3") == "qwen2":  # Fast-dLLM v2 layout: q/k/v biases, no q/k norm
+        return ModelConfig(
+            family="fast_dllm_v2", layout="qwen2", vocab_size=vocab, hidden_size=args.d_model,
+            num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads,
+            head_dim=args.d_model // args.heads, intermediate_size=args.ffn, rms_eps=1e-6,
+            rope_theta=args.rope_theta, qk_norm=False, qkv_bias=True,
+            tie_embeddings=not getattr(args, "untied", False),
+            attention="block_causal", logits_shift=False, mask_token_id=T.MASK_ID,
+            eos_token_ids=(T.EOS_ID,), pad_token_id=T.PAD_ID, block_size=BLOCK,
+            commit_rule="dynamic", threshold=0.85, max_position_embeddings=8192)
     return ModelConfig(
         family="sdar", layout="qwen3", vocab_size=vocab, hidden_size=args.d_model,
         num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads,
         head_dim=args.d_model // args.heads, intermediate_size=args.ffn, rms_eps=1e-6,
-        rope_theta=args.rope_theta, qk_norm=True, tie_embeddings=False,
+        rope_theta=args.rope_theta, qk_norm=not getattr(args, "no_qk_norm", False),
+        tie_embeddings=not getattr(args, "untied", False),
         attention="block_causal", logits_shift=False, mask_token_id=T.MASK_ID,
         eos_token_ids=(T.EOS_ID,), pad_token_id=T.PAD_ID, block_size=BLOCK,
         commit_rule="dynamic", threshold=0.85, max_position_embeddings=8192)
@@ -63,7 +83,7 @@ def hf_config(cfg: ModelConfig) -> dict:
         "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
         "intermediate_size": cfg.intermediate_size, "rms_norm_eps": cfg.rms_eps,
         "rope_theta": cfg.rope_theta, "hidden_act": "silu", "attention_bias": False,
-        "use_qk_norm": True, "tie_word_embeddings": False,
+        "use_qk_norm": cfg.qk_norm, "tie_word_embeddings": cfg.tie_embeddings,
         "max_position_embeddings": cfg.max_position_embeddings, "torch_dtype": "bfloat16",
         "mask_token_id": cfg.mask_token_id, "eos_token_id": cfg.eos_token_ids[0],
         "pad_token_id": cfg.pad_token_id, "bos_token_id": T.BOS_ID, "block_size": cfg.block_size,
@@ -77,28 +97,59 @@ def _ids(tok, text):
     return tok.encode(text, add_special_tokens=False).ids
 
 
-def train_sequence(r: random.Random, L: int, tok, answer_weight: float):
-    """One clean training sequence of exactly L tokens and its per-token loss weights."""
+def copy_sequence(r: random.Random, L: int, tok, answer_weight: float):
+    """Induction data: a random segment (numbers and words, 6-24 tokens) stated once, then repeated
+    after short filler ("again : <segment> ."), until L tokens. Every repeat is predictable only by
+    copying the earlier occurrence in order: the copy circuit that multi-digit answers need."""
+    from maskahead_jax.tasks import lexicon as LX
+    from maskahead_jax.tasks.suite import filler_sentence
+
+    parts = []
+    for _ in range(r.randint(2, 6)):
+        parts.append(T.suite._digits(r, r.randint(2, 8)) if r.random() < 0.6 else r.choice(LX.ALL_WORDS))
+    seg = _ids(tok, " ".join(parts))
+    ids = [T.BOS_ID] + seg + _ids(tok, ".")
+    w = [1.0] * len(ids)
+    while len(ids) < L:
+        fill = _ids(tok, " ".join(filler_sentence(r) for _ in range(r.randint(0, 2))))
+        pre = fill + _ids(tok, "again :")
+        ids += pre + seg + _ids(tok, ".")
+        w += [1.0] * len(pre) + [answer_weight] * len(seg) + [1.0]
+    return np.asarray(ids[:L], np.int32), np.asarray(w[:L], np.float32)
+
+
+def train_sequence(r: random.Random, L: int, tok, answer_weight: float, dense: float = 0.0,
+                   copy: float = 0.0):
+    """One clean training sequence of exactly L tokens and its per-token loss weights.
+
+    With probability `dense` the context is packed with facts (many keys, little filler) and
+    followed by many questions: MQAR-style data where recall is the main source of
+    predictability (the early curriculum; retrieval then carries over to sparse needles)."""
+    if r.random() < copy:
+        return copy_sequence(r, L, tok, answer_weight)
     task = r.choices(T.TASKS, weights=[0.22, 0.3, 0.18, 0.15, 0.15])[0]
-    frac = r.uniform(0.45, 0.85)
+    packed = r.random() < dense
+    if packed:
+        task = r.choices(("multikey", "twohop", "longanswer", "docqa"), weights=[0.45, 0.2, 0.2, 0.15])[0]
+    frac = r.uniform(0.3, 0.5) if packed else r.uniform(0.45, 0.85)
     depth = r.random()
     seed = r.randrange(10 ** 7, 2 ** 31)
     if task == "longanswer":
-        nf = max(3, min(22, int(L * 0.5) // 8))
-        ctx = max(16, L - 8 * nf - 18)
+        nf = max(3, min(44, int(L * (0.35 if packed else 0.5)) // 6))
+        ctx = max(16, 10 * nf if packed else L - 8 * nf - 18)
         ex = T.make_longanswer(ctx, depth, seed, tok, n_facts=nf)
         queries = []
     else:
         kw = {}
         n = max(24, int(L * frac))
         if task == "passkey":
-            kw["n_digits"] = r.randint(3, 8)
+            kw["n_digits"] = 3
         elif task == "multikey":
-            kw["n_keys"] = r.randint(2, max(2, min(64, n // 24)))
+            kw["n_keys"] = max(2, n // 15) if packed else r.randint(2, max(2, min(64, n // 24)))
         elif task == "twohop":
-            kw["n_decoys"] = r.randint(0, max(0, min(8, n // 40 - 1)))
+            kw["n_decoys"] = max(1, n // 22 - 1) if packed else r.randint(0, max(0, min(8, n // 40 - 1)))
         elif task == "docqa":
-            kw["n_docs"] = r.randint(1, max(1, min(24, n // 60)))
+            kw["n_docs"] = max(1, n // 45) if packed else r.randint(1, max(1, min(24, n // 60)))
         ex = T.generate(task, n, depth, seed, tok, **kw)
         queries = list(ex.meta.get("queries", []))
     ids = [T.BOS_ID] + _ids(tok, ex.prompt)
@@ -124,9 +175,9 @@ def train_sequence(r: random.Random, L: int, tok, answer_weight: float):
     return np.asarray(ids, np.int32), np.asarray(w, np.float32)
 
 
-def make_batch(step: int, seed: int, B: int, L: int, tok, args):
+def make_batch(step: int, seed: int, B: int, L: int, tok, args, dense: float = 0.0):
     r = random.Random(seed * 1_000_003 + step)
-    xs, ws = zip(*[train_sequence(r, L, tok, args.answer_weight) for _ in range(B)])
+    xs, ws = zip(*[train_sequence(r, L, tok, args.answer_weight, dense, args.copy_prob) for _ in range(B)])
     x0 = np.stack(xs)
     w = np.stack(ws)
     nb = L // BLOCK
@@ -235,7 +286,12 @@ def heldout_eval(params, cfg, pred, tok, L: int, n: int = 16, tasks=("passkey", 
         exs = [T.generate(task, ctx, (i % 5) / 4, 900_000 + i, tok) for i in range(n)]
         prompts = [tok.encode(e.prompt).ids for e in exs]
         outs = greedy_answers(params, cfg, pred, prompts, 10, total=L + 64)
-        res[task] = float(np.mean([e.score(tok.decode(o)) for e, o in zip(exs, outs)]))
+        texts = [tok.decode(o) for o in outs]
+        res[task] = float(np.mean([e.score(t) for e, t in zip(exs, texts)]))
+        # digit accuracy: a smoother progress signal than exact match while retrieval forms
+        res[task + "_digits"] = round(float(np.mean([
+            np.mean([a == b for a, b in zip(e.answer, "".join(c for c in t if c.isdigit())[:len(e.answer)].ljust(len(e.answer)))])
+            for e, t in zip(exs, texts)])), 3)
     return res
 
 
@@ -247,8 +303,9 @@ def export_hf(params, cfg: ModelConfig, out_dir: str, extra_card: str = ""):
     os.makedirs(out_dir, exist_ok=True)
     P = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float32), params)
     D, H, Hk, Dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    t = {"model.embed_tokens.weight": P["embed"], "model.norm.weight": P["final_norm"],
-         "lm_head.weight": P["lm_head"].T}
+    t = {"model.embed_tokens.weight": P["embed"], "model.norm.weight": P["final_norm"]}
+    if not cfg.tie_embeddings:
+        t["lm_head.weight"] = P["lm_head"].T
     ly = P["layers"]
     for i in range(cfg.num_layers):
         pre = f"model.layers.{i}."
@@ -293,51 +350,68 @@ def load_hf(folder: str):
                 "up": g("mlp.up_proj.weight").transpose(0, 2, 1),
                 "down": g("mlp.down_proj.weight").transpose(0, 2, 1)},
     }
-    params = {"embed": t["model.embed_tokens.weight"], "final_norm": t["model.norm.weight"],
-              "lm_head": t["lm_head.weight"].T, "layers": layers}
+    params = {"embed": t["model.embed_tokens.weight"], "final_norm": t["model.norm.weight"], "layers": layers}
+    if not cfg.tie_embeddings:
+        params["lm_head"] = t["lm_head.weight"].T
     return jax.tree_util.tree_map(jnp.asarray, params), cfg
 
 # ----------------------------------------------------------------------------- main
-def curriculum(frac: float, stages):
-    """stages: list of (start_fraction, L, B); the last stage whose start <= frac."""
-    cur = stages[0]
-    for s in stages:
-        if frac >= s[0]:
-            cur = s
-    return cur
+def curriculum(frac: float, stages, current: int = 0, heldout: float = 1.0, gate: float = 0.0,
+               slack: float = 0.15) -> int:
+    """stages: list of (start_fraction, L, B, packed). Returns the index of the stage to train.
+
+    The next stage is entered once its start fraction is reached and the held-out accuracy of the
+    current stage is at least `gate` (grow the context only after retrieval appears), or anyway
+    `slack` of the budget later, so the run always reaches the long contexts."""
+    k = current
+    while k + 1 < len(stages) and frac >= stages[k + 1][0] and (
+            heldout >= gate or frac >= stages[k + 1][0] + slack):
+        k += 1
+    return k
 
 
 def parse_stages(s: str):
     out = []
     for part in s.split(","):
-        a, b, c = part.split(":")
-        out.append((float(a), int(b), int(c)))
+        f = part.split(":")
+        out.append((float(f[0]), int(f[1]), int(f[2]), float(f[3]) if len(f) > 3 else 0.0))
     return out
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--minutes", type=float, default=110.0, help="training time budget (all runs together)")
+    ap.add_argument("--minutes", type=float, default=175.0, help="training time budget (all runs together)")
     ap.add_argument("--run-dir", default=os.path.join(ROOT, "runs", "testbed"))
     ap.add_argument("--out", default=os.path.join(ROOT, "maskahead_jax", "testbed"))
     ap.add_argument("--export-only", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="tiny run: 2.5 minutes at L=128, no checkpoint")
+    ap.add_argument("--smoke-stage", default="0:128:16:0.5", help="--smoke: the one stage to train")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--d-model", type=int, default=192)
-    ap.add_argument("--heads", type=int, default=6)
-    ap.add_argument("--kv-heads", type=int, default=3)
-    ap.add_argument("--ffn", type=int, default=512)
+    ap.add_argument("--d-model", type=int, default=128)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--ffn", type=int, default=384)
     ap.add_argument("--rope-theta", type=float, default=10000.0)
-    ap.add_argument("--vocab", type=int, default=576)
+    ap.add_argument("--vocab", type=int, default=1536)
     ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--warmup", type=int, default=150)
+    ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--answer-weight", type=float, default=3.0)
-    ap.add_argument("--suffix-prob", type=float, default=0.3)
-    ap.add_argument("--stages", default="0:128:32,0.12:256:16,0.35:512:8,0.65:1024:4",
-                    help="curriculum start_fraction:seq_len:batch,...")
+    ap.add_argument("--suffix-prob", type=float, default=0.5)
+    ap.add_argument("--stages", default="0:128:32:0.8,0.35:256:16:0.6,0.55:512:8:0.4,0.72:1024:4:0.3,0.86:2048:2:0.3",
+                    help="curriculum start_fraction:seq_len:batch[:packed_prob],...")
+    ap.add_argument("--copy-prob", type=float, default=0.25,
+                    help="fraction of induction sequences (a random segment repeated; see copy_sequence)")
+    ap.add_argument("--no-qk-norm", action="store_true", help="ablation: no q/k RMSNorm")
+    ap.add_argument("--untied", action="store_true",
+                    help="separate lm_head (default: tied to the embedding, which makes copying a token "
+                         "from the context an identity map the model gets for free)")
+    ap.add_argument("--layout", choices=("qwen3", "qwen2"), default="qwen3",
+                    help="qwen3: SDAR layout (q/k norm); qwen2: Fast-dLLM v2 layout (q/k/v biases)")
+    ap.add_argument("--gate", type=float, default=0.3,
+                    help="held-out passkey/multikey accuracy needed to grow the context (see curriculum)")
     ap.add_argument("--ckpt-minutes", type=float, default=4.0)
-    ap.add_argument("--eval-minutes", type=float, default=8.0)
+    ap.add_argument("--eval-minutes", type=float, default=4.0)
     ap.add_argument("--eval-n", type=int, default=16)
     args = ap.parse_args(argv)
 
@@ -375,7 +449,7 @@ def main(argv=None):
         return 0
 
     budget = 60 * (2.5 if args.smoke else args.minutes)
-    stages = [(0, 128, 16)] if args.smoke else parse_stages(args.stages)
+    stages = parse_stages(args.smoke_stage) if args.smoke else parse_stages(args.stages)
     params, opt_state = state["params"], state["opt_state"]
     step, elapsed = int(state["step"]), float(state["elapsed"])
     steps_fns = {}
@@ -385,6 +459,7 @@ def main(argv=None):
     last_ckpt, last_eval = elapsed, elapsed
     pbar = tqdm(total=int(budget), initial=int(elapsed), unit="s", dynamic_ncols=True, mininterval=5)
     ema = None
+    stage, heldout = 0, 0.0
 
     def save():
         if mngr is None:
@@ -400,12 +475,13 @@ def main(argv=None):
 
     while elapsed < budget:
         frac = elapsed / budget
-        _, L, B = curriculum(frac, stages)
+        stage = curriculum(frac, stages, stage, heldout, args.gate)
+        _, L, B, dense = stages[stage]
         if L not in steps_fns:
             steps_fns[L] = make_train_step(cfg, opt, L)
         lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
         opt_state.hyperparams["learning_rate"] = jnp.asarray(lr, jnp.float32)
-        xt, x0, masked, w = make_batch(step, args.seed, B, L, tok, args)
+        xt, x0, masked, w = make_batch(step, args.seed, B, L, tok, args, dense)
         params, opt_state, loss, acc = steps_fns[L](params, opt_state, xt, x0, masked, w)
         loss = float(loss)
         ema = loss if ema is None else 0.98 * ema + 0.02 * loss
@@ -424,6 +500,7 @@ def main(argv=None):
             print(f"\n[eval] step {step} L={L} elapsed {elapsed / 60:.1f}m loss {ema:.3f} heldout {res} "
                   f"({time.time() - te:.0f}s)", flush=True)
             log({"step": step, "elapsed": elapsed, "eval": res, "eval_L": min(L, 512)})
+            heldout = float(np.mean([res["passkey"], res["multikey"]]))
             last_eval = elapsed
             t_last = time.time()  # eval time does not count against the training budget
         if mngr and elapsed - last_ckpt >= 60 * args.ckpt_minutes:

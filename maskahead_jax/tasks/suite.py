@@ -139,7 +139,7 @@ def _finish(task, r, n_tokens, depth, seed, tok, needles, question, answer, meta
 
 
 # ------------------------------------------------------------------------------ tasks
-def make_passkey(n_tokens: int, depth: float, seed: int, tokenizer=None, n_digits: int = 7) -> Example:
+def make_passkey(n_tokens: int, depth: float, seed: int, tokenizer=None, n_digits: int = 3) -> Example:
     tok = tokenizer or get_tokenizer()
     r = random.Random(f"passkey:{seed}:{n_tokens}:{depth}")
     key = _digits(r, n_digits)
@@ -167,7 +167,7 @@ def make_multikey(n_tokens: int, depth: float, seed: int, tokenizer=None, n_keys
     r = random.Random(f"multikey:{seed}:{n_tokens}:{depth}")
     n_keys = n_keys or max(4, min(64, n_tokens // 64))
     keys = _distinct(r, _keyname, n_keys)
-    vals = [_digits(r, 7) for _ in keys]
+    vals = [_digits(r, 3) for _ in keys]
     needles = [(depth, f"the special magic number for {keys[0]} is {vals[0]} .")]
     for k, v in zip(keys[1:], vals[1:]):
         needles.append((r.random(), f"the special magic number for {k} is {v} ."))
@@ -183,7 +183,7 @@ def make_twohop(n_tokens: int, depth: float, seed: int, tokenizer=None, n_decoys
     r = random.Random(f"twohop:{seed}:{n_tokens}:{depth}")
     cases = _distinct(r, lambda r: f"{r.choice(L.FIRST)} {r.choice(L.LAST)}", n_decoys + 1)
     units = _distinct(r, lambda r: f"{r.choice(L.COLORS)} {r.choice(L.ANIMALS)}", n_decoys + 1)
-    codes = [_digits(r, 6) for _ in cases]
+    codes = [_digits(r, 3) for _ in cases]
     needles = [(depth, f"case {cases[0]} is assigned to unit {units[0]} ."),
                (1.0 - depth, f"unit {units[0]} holds code {codes[0]} .")]
     for c, u, k in zip(cases[1:], units[1:], codes[1:]):
@@ -224,14 +224,14 @@ def make_docqa(n_tokens: int, depth: float, seed: int, tokenizer=None, n_docs: i
                    {"entity": ents[0], "attribute": attr, "queries": qa})
 
 
-def make_longanswer(n_tokens: int, depth: float, seed: int, tokenizer=None, n_facts: int = 22) -> Example:
+def make_longanswer(n_tokens: int, depth: float, seed: int, tokenizer=None, n_facts: int = 44) -> Example:
     """n_facts station codes spread over the context; the answer lists `name code ;` for every
     station in the order the question names them (>= 128 answer tokens for 22 facts).
     `depth` places the first fact; the others are spread uniformly over the context."""
     tok = tokenizer or get_tokenizer()
     r = random.Random(f"longanswer:{seed}:{n_tokens}:{depth}")
     names = _distinct(r, lambda r: r.choice(L.FIRST + L.LAST + L.ANIMALS), n_facts)
-    codes = [_digits(r, 4) for _ in names]
+    codes = [_digits(r, 3) for _ in names]
     needles = [(depth if i == 0 else (i + r.random()) / n_facts, f"station {n} has code {c} .")
                for i, (n, c) in enumerate(zip(names, codes))]
     ask = r.sample(range(n_facts), n_facts)

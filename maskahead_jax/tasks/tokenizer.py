@@ -1,9 +1,11 @@
 """A small word-level tokenizer for the testbed, built locally with the `tokenizers` library.
 
-WordPiece model over the closed task lexicon: every lexicon word is one token; digits are single
-tokens ("0".."9" at a word start, "##0".."##9" inside a word) so a number is a sequence of digit
-tokens and decodes back without spaces ("4 ##8 ##2" -> "482"); letters a-z / ##a-z are a fallback
-for words outside the lexicon. Text is lower-cased. Special tokens: [PAD] 0, [BOS] 1, [EOS] 2,
+WordPiece model over the closed task lexicon: every lexicon word is one token; every number below
+1000 is one token ("7", "48", "482"), so a task value (a 3-digit number) is a single token; longer
+numbers fall back to the longest whole-number prefix plus digit pieces ("4821" -> "482 ##1",
+decoded back without spaces); letters a-z / ##a-z are a fallback for words outside the lexicon.
+(Why whole-number tokens: a from-scratch model this small learns to find the right number long
+before it learns to copy a digit sequence in order under parallel decoding; see the testbed card.) Text is lower-cased. Special tokens: [PAD] 0, [BOS] 1, [EOS] 2,
 [MASK] 3, [UNK] 4. `encode()` prepends [BOS] (post-processor); pass add_special_tokens=False to
 skip it.
 """
@@ -24,7 +26,9 @@ TOKENIZER_PATH = os.path.join(TESTBED_DIR, "tokenizer.json")
 def vocab_list() -> list[str]:
     digits = list(string.digits)
     letters = list(string.ascii_lowercase)
-    toks = SPECIALS + digits + ["##" + d for d in digits] + PUNCT + letters + ["##" + c for c in letters]
+    numbers = [str(i) for i in range(10, 1000)]  # whole-word numbers: a task value is one token
+    toks = (SPECIALS + digits + ["##" + d for d in digits] + PUNCT + letters + ["##" + c for c in letters]
+            + numbers)
     seen = set(toks)
     toks += [w for w in ALL_WORDS if w not in seen]
     return toks
