@@ -1,0 +1,124 @@
+"""The testbed training script's pieces: data, noise, the two-copy mask, the gated curriculum, one
+optimisation step, and the exporter read back through the library's converter."""
+import argparse
+import os
+import random
+import sys
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "experiments"))
+
+import train_testbed as tt  # noqa: E402
+
+from maskahead_jax import load_pretrained  # noqa: E402
+from maskahead_jax import tasks as T  # noqa: E402
+from maskahead_jax.model.decoder import forward_logits  # noqa: E402
+from maskahead_jax.model.init import init_params  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return T.build_tokenizer()
+
+
+def _args(**kw):
+    a = dict(d_model=32, heads=2, kv_heads=1, ffn=64, layers=2, rope_theta=1e4, answer_weight=3.0,
+             suffix_prob=0.5, copy_prob=0.25, layout="qwen3")
+    a.update(kw)
+    return argparse.Namespace(**a)
+
+
+@pytest.mark.parametrize("dense,copy", [(0.0, 0.0), (1.0, 0.0), (0.0, 1.0)])
+def test_sequences_exact_length_and_deterministic(tok, dense, copy):
+    for L in (64, 256):
+        a = [tt.train_sequence(random.Random(3), L, tok, 3.0, dense, copy) for _ in range(2)]
+        (x, w), (x2, w2) = a
+        assert x.shape == w.shape == (L,) and x.dtype == np.int32
+        np.testing.assert_array_equal(x, x2)
+        assert x[0] == T.BOS_ID and (w > 0).all() and (w == 3.0).any()
+        assert T.MASK_ID not in x and x.max() < tok.get_vocab_size()
+
+
+def test_copy_sequence_repeats_its_segment(tok):
+    x, w = tt.copy_sequence(random.Random(0), 256, tok, 3.0)
+    again = tok.token_to_id("again")
+    starts = [i + 2 for i in np.nonzero(x == again)[0] if i + 2 < 200]
+    seg = x[1:np.nonzero(x == tok.token_to_id("."))[0][0]]
+    assert len(starts) >= 2
+    for s in starts:  # every repeat after "again :" is the opening segment, weighted as an answer
+        np.testing.assert_array_equal(x[s:s + len(seg)], seg)
+        assert (w[s:s + len(seg)] == 3.0).all()
+
+
+def test_make_batch_noise(tok):
+    args = _args(suffix_prob=1.0)
+    xt, x0, masked, w = tt.make_batch(5, 0, 4, 128, tok, args, dense=0.5)
+    assert xt.shape == x0.shape == masked.shape == w.shape == (4, 128)
+    np.testing.assert_array_equal(xt == T.MASK_ID, masked)
+    np.testing.assert_array_equal(np.where(masked, x0, xt), x0)
+    # suffix pattern: inside each 32-token block everything after the cut is masked
+    blocks = masked.reshape(4, 4, 32)
+    assert (np.diff(blocks.astype(int), axis=-1) >= 0).all()
+
+
+def test_two_copy_mask():
+    L, bs = 96, tt.BLOCK
+    m = tt.two_copy_mask(L)
+    for q in (0, 40, 70):
+        qb = q // bs
+        # noisy query: its own noisy block and the clean blocks before it
+        expect = np.zeros(2 * L, bool)
+        expect[qb * bs:(qb + 1) * bs] = True
+        expect[L:L + qb * bs] = True
+        np.testing.assert_array_equal(m[q], expect)
+        # clean query: clean blocks up to its own (block-causal)
+        expect = np.zeros(2 * L, bool)
+        expect[L:L + (qb + 1) * bs] = True
+        np.testing.assert_array_equal(m[L + q], expect)
+
+
+def test_curriculum_is_gated():
+    st = tt.parse_stages("0:128:32:0.8,0.3:256:16,0.6:512:8:0.4")
+    assert st[1] == (0.3, 256, 16, 0.0)
+    assert tt.curriculum(0.31, st, 0, heldout=0.0, gate=0.3) == 0  # no retrieval yet: stay
+    assert tt.curriculum(0.31, st, 0, heldout=0.5, gate=0.3) == 1  # retrieval: grow
+    assert tt.curriculum(0.46, st, 0, heldout=0.0, gate=0.3) == 1  # slack: grow anyway
+    assert tt.curriculum(0.99, st, 0, heldout=1.0, gate=0.3) == 2
+    assert tt.curriculum(0.99, st, 2, heldout=0.0, gate=0.3) == 2
+
+
+def test_train_step_lowers_loss_on_a_fixed_batch(tok):
+    args = _args()
+    cfg = tt.make_config(args, 1536)
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    opt = optax.inject_hyperparams(lambda learning_rate: optax.adamw(learning_rate))(learning_rate=3e-3)
+    state = opt.init(params)
+    step = tt.make_train_step(cfg, opt, 64)
+    batch = tt.make_batch(0, 0, 4, 64, tok, args, dense=0.5)
+    losses = []
+    for _ in range(8):
+        params, state, loss, _ = step(params, state, *batch)
+        losses.append(float(loss))
+    assert np.isfinite(losses).all() and losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_export_reads_back_through_converter(tmp_path, tied):
+    args = _args(untied=not tied)
+    cfg = tt.make_config(args, 1536)
+    params = init_params(cfg, jax.random.PRNGKey(1))
+    out = tt.export_hf(params, cfg, str(tmp_path))
+    model = load_pretrained(out)
+    assert model.config.tie_embeddings == tied and model.config.vocab_size == 1536
+    toks = np.asarray([[T.BOS_ID] + list(range(10, 40))], np.int32)
+    want = forward_logits(params, cfg, toks)
+    got = forward_logits(model.params, model.config, toks)
+    # exported in bfloat16: compare the predictions, with a loose bound on the logits
+    assert np.abs(np.asarray(got, np.float32) - np.asarray(want)).max() < 0.05
+    p2, cfg2 = tt.load_hf(out)
+    assert cfg2.tie_embeddings == tied
