@@ -97,7 +97,9 @@ def update_readme(args, out, argv):
     text = open(path).read() if os.path.exists(path) else "# testbed\n"
     head = text.split("## Measured scores")[0].rstrip() + "\n\n## Measured scores\n\n"
     cmd = "python experiments/eval_testbed.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    lines = [f"Dense threshold decoding ({args.threshold}), no cache, {args.n} held-out examples per "
+    engine = ("no cache (a full forward per step)" if args.engine == "reference"
+              else f"the library's cached generate, policy {args.policy}")
+    lines = [f"Threshold decoding ({args.threshold}), {engine}, {args.n} held-out examples per "
              f"cell (seeds {args.seed}..{args.seed + args.n - 1}). Command:", "", "    " + cmd, "",
              "| task | " + " | ".join(["length", "depth", "score"]) + " |", "|---|---|---|---|"]
     for k, v in out["cells"].items():

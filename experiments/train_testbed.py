@@ -398,7 +398,7 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--answer-weight", type=float, default=3.0)
     ap.add_argument("--suffix-prob", type=float, default=0.5)
-    ap.add_argument("--stages", default="0:128:32:0.8,0.35:256:16:0.6,0.55:512:8:0.4,0.72:1024:4:0.3,0.86:2048:2:0.3",
+    ap.add_argument("--stages", default="0:128:32:0.8,0.2:256:16:0.6,0.4:512:8:0.4,0.6:1024:4:0.3,0.8:2048:2:0.3",
                     help="curriculum start_fraction:seq_len:batch[:packed_prob],...")
     ap.add_argument("--copy-prob", type=float, default=0.25,
                     help="fraction of induction sequences (a random segment repeated; see copy_sequence)")
@@ -460,6 +460,11 @@ def main(argv=None):
     pbar = tqdm(total=int(budget), initial=int(elapsed), unit="s", dynamic_ncols=True, mininterval=5)
     ema = None
     stage, heldout = 0, 0.0
+    if log_path and os.path.exists(log_path):  # resume: the gate sees the last held-out accuracy
+        for line in open(log_path):
+            rec = json.loads(line)
+            if "eval" in rec:
+                heldout = float(np.mean([rec["eval"]["passkey"], rec["eval"]["multikey"]]))
 
     def save():
         if mngr is None:
