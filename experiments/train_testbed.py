@@ -355,6 +355,55 @@ def load_hf(folder: str):
         params["lm_head"] = t["lm_head.weight"].T
     return jax.tree_util.tree_map(jnp.asarray, params), cfg
 
+# ----------------------------------------------------------------------------- data workers
+_WORKER = {}
+
+
+def _worker_init(args):
+    _WORKER["tok"] = T.build_tokenizer()
+    _WORKER["args"] = args
+
+
+def _worker_batch(step: int, B: int, L: int, dense: float):
+    return make_batch(step, _WORKER["args"].seed, B, L, _WORKER["tok"], _WORKER["args"], dense)
+
+
+class BatchPrefetcher:
+    """Builds batches in `workers` spawned CPU processes, `ahead` steps in advance.
+
+    Batch contents depend only on (seed, step, B, L, dense), so a prefetched batch equals the one
+    make_batch would build inline; a stage change discards the batches queued for the old shape."""
+
+    def __init__(self, args, workers: int, ahead: int = 0):
+        import multiprocessing as mp
+
+        saved = os.environ.get("JAX_PLATFORMS")
+        os.environ["JAX_PLATFORMS"] = "cpu"  # the workers never touch the accelerator
+        try:
+            self.pool = mp.get_context("spawn").Pool(workers, _worker_init, (args,))
+        finally:
+            if saved is None:
+                os.environ.pop("JAX_PLATFORMS")
+            else:
+                os.environ["JAX_PLATFORMS"] = saved
+        self.ahead = ahead or 2 * workers
+        self.queue = []  # [(step, shape, AsyncResult)]
+
+    def get(self, step: int, B: int, L: int, dense: float):
+        shape = (B, L, dense)
+        self.queue = [q for q in self.queue if q[1] == shape and q[0] >= step]
+        nxt = self.queue[-1][0] + 1 if self.queue else step
+        while nxt < step + self.ahead:
+            self.queue.append((nxt, shape, self.pool.apply_async(_worker_batch, (nxt, B, L, dense))))
+            nxt += 1
+        s, _, res = self.queue.pop(0)
+        assert s == step
+        return res.get()
+
+    def close(self):
+        self.pool.terminate()
+
+
 # ----------------------------------------------------------------------------- main
 def curriculum(frac: float, stages, current: int = 0, heldout: float = 1.0, gate: float = 0.0,
                slack: float = 0.15) -> int:
@@ -413,6 +462,15 @@ def main(argv=None):
     ap.add_argument("--ckpt-minutes", type=float, default=4.0)
     ap.add_argument("--eval-minutes", type=float, default=4.0)
     ap.add_argument("--eval-n", type=int, default=16)
+    ap.add_argument("--init-from", default=None,
+                    help="start from an exported folder's weights (fresh optimizer state), e.g. the shipped testbed")
+    ap.add_argument("--workers", type=int, default=0,
+                    help="build batches in this many CPU processes ahead of the step (0: inline)")
+    ap.add_argument("--wall-minutes", type=float, default=None,
+                    help="stop after this much wall-clock time in this run (evals included), then save and export")
+    ap.add_argument("--export-minutes", type=float, default=None,
+                    help="also export to --out every this many training minutes")
+    ap.add_argument("--final-lengths", default="512,1024", help="held-out eval lengths after training")
     args = ap.parse_args(argv)
 
     import orbax.checkpoint as ocp
@@ -422,6 +480,17 @@ def main(argv=None):
     assert tok.get_vocab_size() <= args.vocab
     cfg = make_config(args, args.vocab)
     params = init_params(cfg, jax.random.PRNGKey(args.seed))
+    if args.init_from:
+        from maskahead_jax.api import load_pretrained
+
+        loaded = load_pretrained(args.init_from, dtype="float32")
+        want = jax.tree_util.tree_map(lambda a: a.shape, params)
+        got = jax.tree_util.tree_map(lambda a: a.shape, loaded.params)
+        if want != got:
+            raise SystemExit(f"--init-from {args.init_from}: parameter shapes {got} do not match the "
+                             f"configured model {want} (pass the same --layers/--d-model/... it was trained with)")
+        params = loaded.params
+        print(f"initialized from {args.init_from}", flush=True)
     nparam = sum(x.size for x in jax.tree_util.tree_leaves(params))
     print(f"params: {nparam / 1e6:.2f}M  cfg: {cfg}", flush=True)
     opt = optax.inject_hyperparams(
@@ -458,6 +527,10 @@ def main(argv=None):
     t_last = time.time()
     last_ckpt, last_eval = elapsed, elapsed
     pbar = tqdm(total=int(budget), initial=int(elapsed), unit="s", dynamic_ncols=True, mininterval=5)
+    wall_start = time.time()
+    wall_limit = 60 * args.wall_minutes if args.wall_minutes else float("inf")
+    last_export = elapsed
+    prefetch = BatchPrefetcher(args, args.workers) if args.workers else None
     ema = None
     stage, heldout = 0, 0.0
     if log_path and os.path.exists(log_path):  # resume: the gate sees the last held-out accuracy
@@ -478,7 +551,7 @@ def main(argv=None):
             with open(log_path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
 
-    while elapsed < budget:
+    while elapsed < budget and time.time() - wall_start < wall_limit:
         frac = elapsed / budget
         stage = curriculum(frac, stages, stage, heldout, args.gate)
         _, L, B, dense = stages[stage]
@@ -486,7 +559,10 @@ def main(argv=None):
             steps_fns[L] = make_train_step(cfg, opt, L)
         lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
         opt_state.hyperparams["learning_rate"] = jnp.asarray(lr, jnp.float32)
-        xt, x0, masked, w = make_batch(step, args.seed, B, L, tok, args, dense)
+        if prefetch:
+            xt, x0, masked, w = prefetch.get(step, B, L, dense)
+        else:
+            xt, x0, masked, w = make_batch(step, args.seed, B, L, tok, args, dense)
         params, opt_state, loss, acc = steps_fns[L](params, opt_state, xt, x0, masked, w)
         loss = float(loss)
         ema = loss if ema is None else 0.98 * ema + 0.02 * loss
@@ -512,14 +588,21 @@ def main(argv=None):
             save()
             last_ckpt = elapsed
             t_last = time.time()
+        if args.export_minutes and elapsed - last_export >= 60 * args.export_minutes:
+            export_hf(params, cfg, args.out)
+            log({"step": step, "elapsed": elapsed, "exported": args.out})
+            last_export = elapsed
+            t_last = time.time()
     pbar.close()
+    if prefetch:
+        prefetch.close()
     if args.smoke:
         res = heldout_eval(params, cfg, pred, tok, 128, n=args.eval_n)
         print(f"smoke done: step {step} loss {ema:.3f} heldout@128 {res}")
         return 0
     save()
     export_hf(params, cfg, args.out)
-    for Lf in (512, 1024):
+    for Lf in (int(x) for x in args.final_lengths.split(",")):
         res = heldout_eval(params, cfg, pred, tok, Lf, n=32)
         print(f"[final eval] L={Lf} {res}", flush=True)
         log({"step": step, "final_eval": res, "eval_L": Lf})

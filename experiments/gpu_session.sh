@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# One short GPU lease (about 10 minutes), run from the repository root on a CUDA machine with
+# jax, flax, optax, orbax, tokenizers and safetensors installed (PYTHONPATH=. is enough: no install):
+#   1. the Mosaic GPU kernels against their jnp references (tests/test_kernels.py, GPU tests), in
+#      the background while
+#   2. the testbed trains on from the shipped checkpoint at lengths 256-2048 (data built by 10 CPU
+#      worker processes), exporting to $OUT/testbed every minute, with a held-out eval at the end;
+#   3. `maskahead profile` on the new testbed at an 8192-token prompt, then on the Fast-dLLM-v2-7B
+#      shape with random weights at batch 32 (the paper's setting).
+# Everything it writes is under $OUT (default /tmp/gpu_out): train.log, metrics.jsonl,
+# kernels.log, profile.log, testbed/{config.json,model.safetensors}.
+set -u
+OUT=${OUT:-/tmp/gpu_out}
+TRAIN_WALL_MIN=${TRAIN_WALL_MIN:-4.3}
+TRAIN_MIN=${TRAIN_MIN:-3.7}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python3 -c "import jax, flax, optax, orbax.checkpoint; print('jax', jax.__version__, jax.devices(), 'flax', flax.__version__, 'optax', optax.__version__)"
+} > "$OUT/train.log" 2>&1
+
+(XLA_PYTHON_CLIENT_MEM_FRACTION=0.12 timeout 300 python3 -m pytest -q -p no:cacheprovider \
+   tests/test_kernels.py -k gpu -rs > "$OUT/kernels.log" 2>&1; echo "exit $?" >> "$OUT/kernels.log") &
+
+XLA_PYTHON_CLIENT_MEM_FRACTION=0.8 timeout $(python3 -c "print(int(60 * $TRAIN_WALL_MIN + 90))") \
+  python3 experiments/train_testbed.py --run-dir /tmp/tb --init-from maskahead_jax/testbed \
+  --out "$OUT/testbed" --workers 10 --minutes "$TRAIN_MIN" --wall-minutes "$TRAIN_WALL_MIN" \
+  --stages "0:256:256:0.6,0.15:512:128:0.5,0.35:1024:32:0.4,0.55:2048:16:0.3" --warmup 50 \
+  --eval-minutes 0.75 --export-minutes 1 --ckpt-minutes 100 --final-lengths 512,1024,2048 \
+  >> "$OUT/train.log" 2>&1
+echo "train exit $?" >> "$OUT/train.log"
+cp /tmp/tb/metrics.jsonl "$OUT/" 2>/dev/null
+rm -f "$OUT/testbed/tokenizer.json"  # the same file as maskahead_jax/testbed/tokenizer.json
+wait
+
+MODEL="$OUT/testbed"
+[ -f "$MODEL/model.safetensors" ] && cp maskahead_jax/testbed/tokenizer.json "$MODEL/" || MODEL=maskahead_jax/testbed
+{
+  echo "=== profile testbed ($MODEL) 8192+256, batch 1,32"
+  timeout 90 python3 -m maskahead_jax.profile --model "$MODEL" --prompt-len 8192 --out-len 256 \
+    --batch 1,32 --policies dense,maskahead,q-maskahead --capacity 10 --repeats 2
+  echo "=== profile fast-dllm-v2-7b shape 8192+256, batch 32"
+  timeout 130 python3 -m maskahead_jax.profile --shape fast-dllm-v2-7b --prompt-len 8192 --out-len 256 \
+    --batch 32 --policies dense,maskahead,q-maskahead --capacity 10 --repeats 1
+} > "$OUT/profile.log" 2>&1
+rm -f "$OUT/testbed/tokenizer.json"
+echo done
