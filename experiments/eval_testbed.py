@@ -10,8 +10,8 @@ engine is the library's cached, jitted `generate` with a KV-cache policy (dense 
 `--engine reference` decodes with no cache (a full forward per step). Held-out seeds start at
 --seed (training draws its seeds from [1e7, 2^31)).
 
-This is the uncached dense reference. Cached generation with KV-cache policies and budget sweeps
-(the same suite, resumable JSONL results, tables, sign tests, plots) is `maskahead eval --suite`
+This script reports the model card's per-cell table; policies x budgets sweeps of the same suite
+(resumable JSONL results, tables, sign tests, plots) are `maskahead eval --suite`
 (maskahead_jax/evaluation; docs/evaluation.md).
 """
 from __future__ import annotations
@@ -27,11 +27,10 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from experiments.train_testbed import greedy_answers, load_hf, make_decoder  # noqa: E402
+from experiments.train_testbed import greedy_answers, make_decoder  # noqa: E402
 from maskahead_jax import GenerationConfig, generate, load_pretrained  # noqa: E402
 from maskahead_jax import tasks as T  # noqa: E402
-from maskahead_jax.cli import _kw  # noqa: E402
-from maskahead_jax.evaluation.policies import make_policy  # noqa: E402
+from maskahead_jax.evaluation.policies import make_policy, parse_policy_kw  # noqa: E402
 
 MAX_NEW = {"passkey": 16, "multikey": 16, "twohop": 16, "docqa": 16, "longanswer": 160}
 
@@ -56,12 +55,13 @@ def main(argv=None):
                     help="write the results into the '## Measured scores' section of the model's README.md")
     args = ap.parse_args(argv)
     if args.engine == "reference":
-        params, cfg = load_hf(args.model)
+        ref = load_pretrained(args.model, dtype="float32")
+        params, cfg = ref.params, ref.config
         pred = make_decoder(cfg)
     else:
         model = load_pretrained(args.model)
         policy = make_policy(args.policy, None if args.policy == "dense" else args.capacity,
-                             **({} if args.policy == "dense" else _kw(args.policy_kw)))
+                             **({} if args.policy == "dense" else parse_policy_kw(args.policy_kw)))
     tok = T.get_tokenizer(os.path.join(args.model, "tokenizer.json"))
     out = {"model": args.model, "engine": args.engine, "policy": args.policy,
            "capacity": None if args.policy == "dense" else args.capacity,

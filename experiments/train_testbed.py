@@ -329,32 +329,6 @@ def export_hf(params, cfg: ModelConfig, out_dir: str, extra_card: str = ""):
 
 
 
-def load_hf(folder: str):
-    """Read an exported folder back into (params, cfg) (a check of the exporter; the library's
-    converters/ are the real loading path)."""
-    from safetensors.numpy import load_file
-
-    with open(os.path.join(folder, "config.json")) as f:
-        cfg = ModelConfig.from_hf(json.load(f))
-    t = {k: np.asarray(v, np.float32) for k, v in load_file(os.path.join(folder, "model.safetensors")).items()}
-    D, H, Hk, Dh, n = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
-    g = lambda name: np.stack([t[f"model.layers.{i}.{name}"] for i in range(n)])
-    layers = {
-        "attn_norm": g("input_layernorm.weight"), "mlp_norm": g("post_attention_layernorm.weight"),
-        "wq": g("self_attn.q_proj.weight").transpose(0, 2, 1).reshape(n, D, H, Dh),
-        "wk": g("self_attn.k_proj.weight").transpose(0, 2, 1).reshape(n, D, Hk, Dh),
-        "wv": g("self_attn.v_proj.weight").transpose(0, 2, 1).reshape(n, D, Hk, Dh),
-        "wo": g("self_attn.o_proj.weight").transpose(0, 2, 1).reshape(n, H, Dh, D),
-        "q_norm": g("self_attn.q_norm.weight"), "k_norm": g("self_attn.k_norm.weight"),
-        "mlp": {"gate": g("mlp.gate_proj.weight").transpose(0, 2, 1),
-                "up": g("mlp.up_proj.weight").transpose(0, 2, 1),
-                "down": g("mlp.down_proj.weight").transpose(0, 2, 1)},
-    }
-    params = {"embed": t["model.embed_tokens.weight"], "final_norm": t["model.norm.weight"], "layers": layers}
-    if not cfg.tie_embeddings:
-        params["lm_head"] = t["lm_head.weight"].T
-    return jax.tree_util.tree_map(jnp.asarray, params), cfg
-
 # ----------------------------------------------------------------------------- data workers
 _WORKER = {}
 

@@ -48,16 +48,12 @@ def _gen(args, max_new: int = 64):
 
 def _kw(text) -> dict:
     """'capacity_floor=128,topk_floor=32' -> {'capacity_floor': 128, 'topk_floor': 32}."""
-    out = {}
-    for item in _csv(text or ""):
-        if "=" not in item:
-            raise CLIError(f"bad policy knob {item!r}: expected key=value")
-        k, v = item.split("=", 1)
-        try:
-            out[k.strip()] = json.loads(v)
-        except json.JSONDecodeError:
-            out[k.strip()] = v
-    return out
+    from .evaluation.policies import parse_policy_kw
+
+    try:
+        return parse_policy_kw(text)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
 
 
 def _factory(kw: dict):

@@ -71,6 +71,14 @@ def _write_jsonl(path, recs):
             f.write(json.dumps(r) + "\n")
 
 
+def test_parse_policy_kw():
+    assert PO.parse_policy_kw("capacity_floor=64, topk_floor=32,layer_alloc=pyramid,exact_total=false") == {
+        "capacity_floor": 64, "topk_floor": 32, "layer_alloc": "pyramid", "exact_total": False}
+    assert PO.parse_policy_kw(None) == {} and PO.parse_policy_kw("") == {}
+    with pytest.raises(ValueError, match="bad policy knob 'recent'"):
+        PO.parse_policy_kw("recent")
+
+
 def test_middle_truncate():
     ids = list(range(10))
     assert D.middle_truncate(ids, 4) == [0, 1, 8, 9]

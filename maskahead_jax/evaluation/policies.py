@@ -39,6 +39,27 @@ def available() -> list[str]:
     return out or ["dense"]
 
 
+def parse_policy_kw(text: Optional[str]) -> dict:
+    """'capacity_floor=128,topk_floor=32' -> {'capacity_floor': 128, 'topk_floor': 32}.
+
+    Values are read as JSON where they parse (numbers, true/false, lists), else kept as strings."""
+    import json
+
+    out = {}
+    for item in (text or "").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        if "=" not in item:
+            raise ValueError(f"bad policy knob {item!r}: expected key=value")
+        k, v = item.split("=", 1)
+        try:
+            out[k.strip()] = json.loads(v)
+        except json.JSONDecodeError:
+            out[k.strip()] = v
+    return out
+
+
 def parse_capacities(text) -> list[Optional[float]]:
     """'5,10,20' -> [5.0, 10.0, 20.0]; each must be in (0, 100]."""
     if text is None or text == "":
