@@ -118,8 +118,12 @@ def copy_sequence(r: random.Random, L: int, tok, answer_weight: float):
     return np.asarray(ids[:L], np.int32), np.asarray(w[:L], np.float32)
 
 
+TASK_WEIGHTS = (0.22, 0.3, 0.18, 0.15, 0.15)  # passkey, multikey, twohop, docqa, longanswer
+PACKED_WEIGHTS = (0.45, 0.2, 0.2, 0.15)  # packed contexts: multikey, twohop, longanswer, docqa
+
+
 def train_sequence(r: random.Random, L: int, tok, answer_weight: float, dense: float = 0.0,
-                   copy: float = 0.0):
+                   copy: float = 0.0, task_weights=TASK_WEIGHTS, packed_weights=PACKED_WEIGHTS):
     """One clean training sequence of exactly L tokens and its per-token loss weights.
 
     With probability `dense` the context is packed with facts (many keys, little filler) and
@@ -127,10 +131,10 @@ def train_sequence(r: random.Random, L: int, tok, answer_weight: float, dense: f
     predictability (the early curriculum; retrieval then carries over to sparse needles)."""
     if r.random() < copy:
         return copy_sequence(r, L, tok, answer_weight)
-    task = r.choices(T.TASKS, weights=[0.22, 0.3, 0.18, 0.15, 0.15])[0]
+    task = r.choices(T.TASKS, weights=task_weights)[0]
     packed = r.random() < dense
     if packed:
-        task = r.choices(("multikey", "twohop", "longanswer", "docqa"), weights=[0.45, 0.2, 0.2, 0.15])[0]
+        task = r.choices(("multikey", "twohop", "longanswer", "docqa"), weights=packed_weights)[0]
     frac = r.uniform(0.3, 0.5) if packed else r.uniform(0.45, 0.85)
     depth = r.random()
     seed = r.randrange(10 ** 7, 2 ** 31)
@@ -175,9 +179,21 @@ def train_sequence(r: random.Random, L: int, tok, answer_weight: float, dense: f
     return np.asarray(ids, np.int32), np.asarray(w, np.float32)
 
 
+def _weights(text, default):
+    if not text:
+        return default
+    w = tuple(float(x) for x in text.split(","))
+    if len(w) != len(default) or min(w) < 0 or sum(w) <= 0:
+        raise SystemExit(f"bad task weights {text!r}: need {len(default)} non-negative numbers")
+    return w
+
+
 def make_batch(step: int, seed: int, B: int, L: int, tok, args, dense: float = 0.0):
     r = random.Random(seed * 1_000_003 + step)
-    xs, ws = zip(*[train_sequence(r, L, tok, args.answer_weight, dense, args.copy_prob) for _ in range(B)])
+    tw = _weights(getattr(args, "task_weights", None), TASK_WEIGHTS)
+    pw = _weights(getattr(args, "packed_weights", None), PACKED_WEIGHTS)
+    xs, ws = zip(*[train_sequence(r, L, tok, args.answer_weight, dense, args.copy_prob, tw, pw)
+                   for _ in range(B)])
     x0 = np.stack(xs)
     w = np.stack(ws)
     nb = L // BLOCK
@@ -425,6 +441,12 @@ def main(argv=None):
                     help="curriculum start_fraction:seq_len:batch[:packed_prob],...")
     ap.add_argument("--copy-prob", type=float, default=0.25,
                     help="fraction of induction sequences (a random segment repeated; see copy_sequence)")
+    ap.add_argument("--task-weights", default=None,
+                    help="sampling weights of passkey,multikey,twohop,docqa,longanswer "
+                         f"(default {','.join(map(str, TASK_WEIGHTS))})")
+    ap.add_argument("--packed-weights", default=None,
+                    help="packed contexts: weights of multikey,twohop,longanswer,docqa "
+                         f"(default {','.join(map(str, PACKED_WEIGHTS))})")
     ap.add_argument("--no-qk-norm", action="store_true", help="ablation: no q/k RMSNorm")
     ap.add_argument("--untied", action="store_true",
                     help="separate lm_head (default: tied to the embedding, which makes copying a token "

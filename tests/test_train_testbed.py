@@ -80,6 +80,20 @@ def test_prefetched_batches_equal_inline_batches(tok):
         pf.close()
 
 
+def test_task_weights_option(tok):
+    """--task-weights with the default values reproduces the default batch; bad weights are refused;
+    a multikey-only mix yields multikey prompts."""
+    base = tt.make_batch(2, 0, 3, 128, tok, _args(seed=0, copy_prob=0.0), dense=0.0)
+    same = tt.make_batch(2, 0, 3, 128, tok, _args(seed=0, copy_prob=0.0,
+                                                   task_weights=",".join(map(str, tt.TASK_WEIGHTS))), dense=0.0)
+    for a, b in zip(base, same):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(SystemExit, match="bad task weights"):
+        tt.make_batch(0, 0, 1, 64, tok, _args(seed=0, task_weights="1,2"), dense=0.0)
+    x0 = tt.make_batch(1, 0, 4, 128, tok, _args(seed=0, copy_prob=0.0, task_weights="0,1,0,0,0"), dense=0.0)[1]
+    assert all("special magic number" in tok.decode(list(row)) for row in x0)
+
+
 def test_two_copy_mask():
     L, bs = 96, tt.BLOCK
     m = tt.two_copy_mask(L)
