@@ -130,11 +130,22 @@ def test_tpu_kernels_lower_at_model_shapes(bits):
 
 # --------------------------------------------------------------------------- Mosaic GPU
 
+# Seen on an H200 with jax 0.11.2: the float kernels pass, the packed kernels' pl.run_state
+# wgmma-accumulator step no longer lowers (docs/results.md section 4); automatic dispatch avoids them.
+PACKED_GPU_UNSUPPORTED = dispatch._jax_version() >= dispatch.GPU_PACKED_KERNELS_BELOW_JAX
+
+
+def _gpu_bits():
+    known = pytest.mark.xfail(PACKED_GPU_UNSUPPORTED, strict=False,
+                              reason="packed Mosaic GPU kernels lower under jax 0.10 only (jax 0.11.2: run_state)")
+    return [None, pytest.param(4, marks=known), pytest.param(2, marks=known)]
+
+
 def _cuda_lowering(fn, *args):
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("bits", [None, 4, 2])
+@pytest.mark.parametrize("bits", _gpu_bits())
 def test_gpu_kernels_lower_for_cuda_at_model_shapes(bits):
     """Runs the whole Mosaic GPU lowering (layouts, wgmma shapes, swizzles, TMA boxes)."""
     q, k, v, valid, kb, vb, blk, rows = _realistic()
@@ -172,7 +183,7 @@ ON_GPU = jax.default_backend() == "gpu"
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (sm90): runs the Mosaic GPU kernels for real")
-@pytest.mark.parametrize("bits", [None, 4, 2])
+@pytest.mark.parametrize("bits", _gpu_bits())
 def test_gpu_kernels_match_reference_on_device(bits):
     """On a GPU machine: the Pallas GPU kernels at model-like shapes == the jnp references."""
     args = list(_inputs(2048, seed=9, dtype=jnp.bfloat16, d=128, g=7, t=32))
@@ -199,6 +210,18 @@ def test_dispatch_picks_reference_on_cpu():
     _close(dispatch.scored_attention(*args), reference.attention(*args))
     with pytest.raises(ValueError):
         dispatch.resolve_impl("triton")
+
+
+@pytest.mark.parametrize("version,backend,packed,want", [
+    ("0.10.2", "gpu", True, "pallas_gpu"), ("0.11.2", "gpu", True, "reference"),
+    ("0.12.0.dev20270101", "gpu", True, "reference"), ("0.11.2", "gpu", False, "pallas_gpu"),
+    ("0.11.2", "tpu", True, "pallas_tpu"), ("0.11.2", "cpu", False, "reference")])
+def test_dispatch_auto_choice_by_backend_and_jax_version(monkeypatch, version, backend, packed, want):
+    """Automatic dispatch takes the packed Mosaic GPU kernels only on the jax versions they lower on."""
+    monkeypatch.setattr(dispatch.jax, "__version__", version)
+    monkeypatch.setattr(dispatch.jax, "default_backend", lambda: backend)
+    assert dispatch.resolve_impl(None, packed=packed) == want
+    assert dispatch.resolve_impl("pallas_gpu", packed=packed) == "pallas_gpu"  # an explicit choice is kept
 
 
 def test_dispatch_block_only_and_sparse_reference():

@@ -9,7 +9,8 @@ QuantKV with leading axes [B, Hkv]), ctx_valid [B, Hkv, S], block k/v [B, Hkv, T
 blk_mask [B, T, T], stat_rows [B, T]; they return (out [B, Hkv, G, T, D], ScoredStats or None).
 
 `impl`: None picks by `jax.default_backend()` ("gpu" -> "pallas_gpu", "tpu" -> "pallas_tpu",
-else "reference"); tests force a kernel with impl=... and interpret=True (or an
+else "reference"; for packed contexts on a GPU with jax >= 0.11 it picks "reference": the packed
+Mosaic GPU kernels lower under jax 0.10 only, see GPU_PACKED_KERNELS_BELOW_JAX); tests force a kernel with impl=... and interpret=True (or an
 InterpretParams / InterpretGPUParams instance) on CPU.  `tile` (tokens per KV tile) and
 `splits` (parallel KV splits of pass 1) default per backend.
 """
@@ -25,11 +26,28 @@ from . import quant_reference, reference, splitk
 from .reference import ScoredStats
 
 IMPLS = ("reference", "pallas_gpu", "pallas_tpu")
+# On an H200 with jax 0.11.2 the float Mosaic GPU kernels ran and matched the references, but the
+# packed (int4 / int2) ones no longer lower: their per-plane wgmma-accumulator step (pl.run_state)
+# fails with "Shaped arrays must be represented by ir.Values" (they lower under jax 0.10.x).
+# Automatic dispatch therefore reads packed contexts with the reference on newer jax;
+# impl="pallas_gpu" still tries the kernel (docs/results.md section 4).
+GPU_PACKED_KERNELS_BELOW_JAX = (0, 11)
 
 
-def resolve_impl(impl: Optional[str] = None) -> str:
+def _jax_version() -> tuple:
+    out = []
+    for part in jax.__version__.split(".")[:2]:
+        digits = "".join(c for c in part if c.isdigit())
+        out.append(int(digits or 0))
+    return tuple(out)
+
+
+def resolve_impl(impl: Optional[str] = None, packed: bool = False) -> str:
     if impl is None:
-        return {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(jax.default_backend(), "reference")
+        backend = jax.default_backend()
+        if packed and backend == "gpu" and _jax_version() >= GPU_PACKED_KERNELS_BELOW_JAX:
+            return "reference"
+        return {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(backend, "reference")
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     return impl
@@ -97,7 +115,7 @@ def scored_attention_quant(q, ctx: quant.QuantKV, ctx_valid, k_blk, v_blk, blk_m
     A bf16 residual (the trailing partial key group) is handled in jnp and merged into the
     same softmax state.
     """
-    impl = resolve_impl(impl)
+    impl = resolve_impl(impl, packed=True)
     nq = ctx.num_packed
     if impl == "reference" or nq == 0:
         return quant_reference.attention_quant(q, ctx, ctx_valid, k_blk, v_blk, blk_mask, stat_rows)
