@@ -118,12 +118,36 @@ def copy_sequence(r: random.Random, L: int, tok, answer_weight: float):
     return np.asarray(ids[:L], np.int32), np.asarray(w[:L], np.float32)
 
 
+def mqar_sequence(r: random.Random, L: int, tok, answer_weight: float):
+    """Associative recall with one-token keys (MQAR, Arora et al. 2023): "recall : k1 v1 , k2 v2 ,
+    ... . answer : k3 v3 ; k1 v1 ; ..." with word keys and 3-digit values. A value in the query
+    part is predictable only by finding its key earlier: the key -> value lookup that multi-key
+    and two-hop need, without their two-word keys and sentence template."""
+    from maskahead_jax.tasks import lexicon as LX
+
+    n = max(2, min(len(LX.NOUNS), r.randint(L // 12, L // 5)))
+    keys = r.sample(LX.NOUNS, n)
+    vals = [str(r.randrange(100, 1000)) for _ in keys]
+    ids = [T.BOS_ID] + _ids(tok, "recall :")
+    for k, v in zip(keys, vals):
+        ids += _ids(tok, f"{k} {v} ,")
+    ids += _ids(tok, ". answer :")
+    w = [1.0] * len(ids)
+    while len(ids) < L:
+        i = r.randrange(n)
+        ki, vi, sep = _ids(tok, keys[i]), _ids(tok, vals[i]), _ids(tok, ";")
+        ids += ki + vi + sep
+        w += [1.0] * len(ki) + [answer_weight] * len(vi) + [1.0] * len(sep)
+    return np.asarray(ids[:L], np.int32), np.asarray(w[:L], np.float32)
+
+
 TASK_WEIGHTS = (0.22, 0.3, 0.18, 0.15, 0.15)  # passkey, multikey, twohop, docqa, longanswer
 PACKED_WEIGHTS = (0.45, 0.2, 0.2, 0.15)  # packed contexts: multikey, twohop, longanswer, docqa
 
 
 def train_sequence(r: random.Random, L: int, tok, answer_weight: float, dense: float = 0.0,
-                   copy: float = 0.0, task_weights=TASK_WEIGHTS, packed_weights=PACKED_WEIGHTS):
+                   copy: float = 0.0, task_weights=TASK_WEIGHTS, packed_weights=PACKED_WEIGHTS,
+                   mqar: float = 0.0):
     """One clean training sequence of exactly L tokens and its per-token loss weights.
 
     With probability `dense` the context is packed with facts (many keys, little filler) and
@@ -131,6 +155,8 @@ def train_sequence(r: random.Random, L: int, tok, answer_weight: float, dense: f
     predictability (the early curriculum; retrieval then carries over to sparse needles)."""
     if r.random() < copy:
         return copy_sequence(r, L, tok, answer_weight)
+    if mqar and r.random() < mqar:
+        return mqar_sequence(r, L, tok, answer_weight)
     task = r.choices(T.TASKS, weights=task_weights)[0]
     packed = r.random() < dense
     if packed:
@@ -192,8 +218,8 @@ def make_batch(step: int, seed: int, B: int, L: int, tok, args, dense: float = 0
     r = random.Random(seed * 1_000_003 + step)
     tw = _weights(getattr(args, "task_weights", None), TASK_WEIGHTS)
     pw = _weights(getattr(args, "packed_weights", None), PACKED_WEIGHTS)
-    xs, ws = zip(*[train_sequence(r, L, tok, args.answer_weight, dense, args.copy_prob, tw, pw)
-                   for _ in range(B)])
+    xs, ws = zip(*[train_sequence(r, L, tok, args.answer_weight, dense, args.copy_prob, tw, pw,
+                                  getattr(args, "mqar_prob", 0.0)) for _ in range(B)])
     x0 = np.stack(xs)
     w = np.stack(ws)
     nb = L // BLOCK
@@ -448,6 +474,9 @@ def main(argv=None):
                     help="curriculum start_fraction:seq_len:batch[:packed_prob],...")
     ap.add_argument("--copy-prob", type=float, default=0.25,
                     help="fraction of induction sequences (a random segment repeated; see copy_sequence)")
+    ap.add_argument("--mqar-prob", type=float, default=0.0,
+                    help="fraction of one-token-key associative recall sequences (see mqar_sequence), "
+                         "drawn after the induction sequences")
     ap.add_argument("--task-weights", default=None,
                     help="sampling weights of passkey,multikey,twohop,docqa,longanswer "
                          f"(default {','.join(map(str, TASK_WEIGHTS))})")

@@ -80,6 +80,20 @@ def test_prefetched_batches_equal_inline_batches(tok):
         pf.close()
 
 
+def test_mqar_sequence_answers_are_the_recalled_values(tok):
+    """Every weighted query value is the value its key had in the recall list."""
+    for seed in range(3):
+        x, w = tt.mqar_sequence(random.Random(seed), 160, tok, 3.0)
+        assert x.shape == (160,) and w.shape == (160,)
+        words = [tok.id_to_token(int(t)) for t in x]
+        q = words.index("answer")
+        table = {words[i]: words[i + 1] for i in range(3, q - 1, 3)}  # "recall : k v , k v , ..."
+        answers = [i for i in range(len(x)) if w[i] == 3.0]
+        assert answers and all(i > q for i in answers)
+        for i in answers:
+            assert table[words[i - 1]] == words[i]
+
+
 def test_task_weights_option(tok):
     """--task-weights with the default values reproduces the default batch; bad weights are refused;
     a multikey-only mix yields multikey prompts."""
