@@ -39,7 +39,7 @@ MODEL="$OUT/testbed"
 {
   echo "=== profile testbed ($MODEL) 8192+256, batch 1,32"
   timeout 90 python3 -m maskahead_jax.profile --model "$MODEL" --prompt-len 8192 --out-len 256 \
-    --batch 1,32 --policies dense,maskahead,q-maskahead --capacity 10 --repeats 2
+    --max-positions 8704 --batch 1,32 --policies dense,maskahead,q-maskahead --capacity 10 --repeats 2
   echo "=== profile fast-dllm-v2-7b shape 8192+256, batch 32"
   timeout 130 python3 -m maskahead_jax.profile --shape fast-dllm-v2-7b --prompt-len 8192 --out-len 256 \
     --batch 32 --policies dense,maskahead,q-maskahead --capacity 10 --repeats 1
