@@ -33,7 +33,6 @@ import jax.numpy as jnp  # noqa: E402
 from experiments import train_testbed as tt  # noqa: E402
 from maskahead_jax import tasks as T  # noqa: E402
 from maskahead_jax.api import load_pretrained  # noqa: E402
-from maskahead_jax.model.decoder import forward_hidden, lm_head  # noqa: E402
 
 KINDS = ("copy", "mqar", "multikey_packed", "multikey")
 
@@ -52,15 +51,10 @@ def probe(params, cfg, tok, L: int = 128, n: int = 16, seed: int = 12345, kinds=
     """Answer-token accuracy per kind (answers = the tokens train_testbed weights as answers)."""
     if L % tt.BLOCK:
         raise ValueError(f"length {L} must be a multiple of the block size {tt.BLOCK}")
-    mask = jnp.asarray(tt.two_copy_mask(L))
-    pos = jnp.concatenate([jnp.arange(L), jnp.arange(L)]).astype(jnp.int32)
 
     @jax.jit
     def predict(xt, x0):
-        b = xt.shape[0]
-        h = forward_hidden(params, cfg, jnp.concatenate([xt, x0], 1), jnp.broadcast_to(pos, (b, 2 * L)),
-                           mask=jnp.broadcast_to(mask, (b, 2 * L, 2 * L)))
-        return lm_head(params, cfg, h[:, :L]).argmax(-1)
+        return tt.two_copy_logits(params, cfg, xt, x0).argmax(-1)
 
     w_ans = 3.0
     r = random.Random(seed)

@@ -247,16 +247,20 @@ def two_copy_mask(L: int) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------- training
-def make_train_step(cfg, opt, L):
-    mask = jnp.asarray(two_copy_mask(L))
+def two_copy_logits(params, cfg, xt, x0):
+    """Logits [B, L, V] of the noisy copy x_t [B, L] in the two-copy layout: x_t block b reads
+    itself and the clean x0 [B, L] blocks < b (two_copy_mask), positions concat(arange, arange)."""
+    B, L = xt.shape
+    mask = jnp.asarray(two_copy_mask(L))  # a trace-time constant
     pos = jnp.concatenate([jnp.arange(L), jnp.arange(L)]).astype(jnp.int32)
+    h = forward_hidden(params, cfg, jnp.concatenate([xt, x0], axis=1), jnp.broadcast_to(pos, (B, 2 * L)),
+                       mask=jnp.broadcast_to(mask, (B, 2 * L, 2 * L)))
+    return lm_head(params, cfg, h[:, :L])
 
+
+def make_train_step(cfg, opt, L):
     def loss_fn(params, xt, x0, masked, w):
-        B = xt.shape[0]
-        toks = jnp.concatenate([xt, x0], axis=1)
-        h = forward_hidden(params, cfg, toks, jnp.broadcast_to(pos, (B, 2 * L)),
-                           mask=jnp.broadcast_to(mask, (B, 2 * L, 2 * L)))
-        logits = lm_head(params, cfg, h[:, :L])
+        logits = two_copy_logits(params, cfg, xt, x0)
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, x0)
         wm = w * masked
         loss = (ce * wm).sum() / jnp.maximum(wm.sum(), 1.0)
@@ -339,8 +343,9 @@ def heldout_eval(params, cfg, pred, tok, L: int, n: int = 16, tasks=("passkey", 
         res[task] = float(np.mean([e.score(t) for e, t in zip(exs, texts)]))
         # how often the answer is *some* number of the context: near 1 with exact match at chance
         # means the model retrieves a value but does not match the key (multikey, twohop)
+        firsts = [_first_number(t) for t in texts]
         res[task + "_from_context"] = round(float(np.mean([
-            bool(_first_number(t)) and f" {_first_number(t)} " in f" {e.prompt} " for e, t in zip(exs, texts)])), 3)
+            bool(f) and f" {f} " in f" {e.prompt} " for e, f in zip(exs, firsts)])), 3)
     return res
 
 

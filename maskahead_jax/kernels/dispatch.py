@@ -10,9 +10,9 @@ blk_mask [B, T, T], stat_rows [B, T]; they return (out [B, Hkv, G, T, D], Scored
 
 `impl`: None picks by `jax.default_backend()` ("gpu" -> "pallas_gpu", "tpu" -> "pallas_tpu",
 else "reference"; for packed contexts on a GPU with jax >= 0.11 it picks "reference": the packed
-Mosaic GPU kernels lower under jax 0.10 only, see GPU_PACKED_KERNELS_BELOW_JAX); tests force a kernel with impl=... and interpret=True (or an
-InterpretParams / InterpretGPUParams instance) on CPU.  `tile` (tokens per KV tile) and
-`splits` (parallel KV splits of pass 1) default per backend.
+Mosaic GPU kernels lower under jax 0.10 only, see GPU_PACKED_KERNELS_BELOW_JAX); tests force a
+kernel with impl=... and interpret=True (or an InterpretParams / InterpretGPUParams instance) on
+CPU. `tile` (tokens per KV tile) and `splits` (parallel KV splits of pass 1) default per backend.
 """
 from __future__ import annotations
 

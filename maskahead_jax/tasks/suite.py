@@ -226,7 +226,7 @@ def make_docqa(n_tokens: int, depth: float, seed: int, tokenizer=None, n_docs: i
 
 def make_longanswer(n_tokens: int, depth: float, seed: int, tokenizer=None, n_facts: int = 44) -> Example:
     """n_facts station codes spread over the context; the answer lists `name code ;` for every
-    station in the order the question names them (>= 128 answer tokens for 22 facts).
+    station in the order the question names them (>= 128 answer tokens with the default 44 facts).
     `depth` places the first fact; the others are spread uniformly over the context."""
     tok = tokenizer or get_tokenizer()
     r = random.Random(f"longanswer:{seed}:{n_tokens}:{depth}")

@@ -5,9 +5,9 @@ WordPiece model over the closed task lexicon: every lexicon word is one token; e
 numbers fall back to the longest whole-number prefix plus digit pieces ("4821" -> "482 ##1",
 decoded back without spaces); letters a-z / ##a-z are a fallback for words outside the lexicon.
 (Why whole-number tokens: a from-scratch model this small learns to find the right number long
-before it learns to copy a digit sequence in order under parallel decoding; see the testbed card.) Text is lower-cased. Special tokens: [PAD] 0, [BOS] 1, [EOS] 2,
-[MASK] 3, [UNK] 4. `encode()` prepends [BOS] (post-processor); pass add_special_tokens=False to
-skip it.
+before it learns to copy a digit sequence in order under parallel decoding; see the testbed card.)
+Text is lower-cased. Special tokens: [PAD] 0, [BOS] 1, [EOS] 2, [MASK] 3, [UNK] 4. `encode()`
+prepends [BOS] (post-processor); pass add_special_tokens=False to skip it.
 """
 from __future__ import annotations
 
