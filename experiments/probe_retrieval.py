@@ -7,7 +7,9 @@ forward (the training layout: noisy copy x_t reading the clean copy x0 of earlie
 *only the answer tokens* masked, and reports the accuracy of the argmax on those tokens:
 
   copy             induction sequences (a segment repeated after filler): in-order copying
-  mqar             one-token-key associative recall ("recall : k v , ... . answer : k v ; ...")
+  mqar_few         one-token-key associative recall ("recall : k v , ... . answer : k v ; ...")
+                   with 2-4 pairs (chance when copying any earlier value: ~1/3)
+  mqar             the same with L/12 .. L/5 pairs
   multikey_packed  fact-packed multi-key contexts with MQAR-style extra questions
   multikey         multi-key needles in filler
 
@@ -34,12 +36,14 @@ from experiments import train_testbed as tt  # noqa: E402
 from maskahead_jax import tasks as T  # noqa: E402
 from maskahead_jax.api import load_pretrained  # noqa: E402
 
-KINDS = ("copy", "mqar", "multikey_packed", "multikey")
+KINDS = ("copy", "mqar_few", "mqar", "multikey_packed", "multikey")
 
 
 def _sequence(kind: str, r: random.Random, L: int, tok, w_ans: float):
     if kind == "copy":
         return tt.copy_sequence(r, L, tok, w_ans)
+    if kind == "mqar_few":
+        return tt.mqar_sequence(r, L, tok, w_ans, pairs=(2, 4))
     if kind == "mqar":
         return tt.mqar_sequence(r, L, tok, w_ans)
     only_multikey = (0, 1, 0, 0, 0)

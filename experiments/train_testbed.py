@@ -70,7 +70,7 @@ def make_config(args, vocab: int) -> ModelConfig:
         head_dim=args.d_model // args.heads, intermediate_size=args.ffn, rms_eps=1e-6,
         rope_theta=args.rope_theta, qk_norm=not getattr(args, "no_qk_norm", False),
         tie_embeddings=not getattr(args, "untied", False),
-        attention="block_causal", logits_shift=False, mask_token_id=T.MASK_ID,
+        attention="block_causal", logits_shift=getattr(args, "logits_shift", False), mask_token_id=T.MASK_ID,
         eos_token_ids=(T.EOS_ID,), pad_token_id=T.PAD_ID, block_size=BLOCK,
         commit_rule="dynamic", threshold=0.85, max_position_embeddings=8192)
 
@@ -118,14 +118,19 @@ def copy_sequence(r: random.Random, L: int, tok, answer_weight: float):
     return np.asarray(ids[:L], np.int32), np.asarray(w[:L], np.float32)
 
 
-def mqar_sequence(r: random.Random, L: int, tok, answer_weight: float):
+def mqar_sequence(r: random.Random, L: int, tok, answer_weight: float, pairs=None):
     """Associative recall with one-token keys (MQAR, Arora et al. 2023): "recall : k1 v1 , k2 v2 ,
     ... . answer : k3 v3 ; k1 v1 ; ..." with word keys and 3-digit values. A value in the query
     part is predictable only by finding its key earlier: the key -> value lookup that multi-key
-    and two-hop need, without their two-word keys and sentence template."""
+    and two-hop need, without their two-word keys and sentence template.
+
+    `pairs` (lo, hi) draws the number of key-value pairs from [lo, hi] (default L/12 .. L/5).
+    Few pairs (2-4) is what lets the lookup form: copying any earlier value is then already
+    right a third of the time, and matching the key is a large, frequent gain."""
     from maskahead_jax.tasks import lexicon as LX
 
-    n = max(2, min(len(LX.NOUNS), r.randint(L // 12, L // 5)))
+    lo, hi = pairs or (L // 12, L // 5)
+    n = max(2, min(len(LX.NOUNS), r.randint(lo, max(lo, hi))))
     keys = r.sample(LX.NOUNS, n)
     vals = [str(r.randrange(100, 1000)) for _ in keys]
     ids = [T.BOS_ID] + _ids(tok, "recall :")
@@ -147,7 +152,7 @@ PACKED_WEIGHTS = (0.45, 0.2, 0.2, 0.15)  # packed contexts: multikey, twohop, lo
 
 def train_sequence(r: random.Random, L: int, tok, answer_weight: float, dense: float = 0.0,
                    copy: float = 0.0, task_weights=TASK_WEIGHTS, packed_weights=PACKED_WEIGHTS,
-                   mqar: float = 0.0):
+                   mqar: float = 0.0, mqar_pairs=None):
     """One clean training sequence of exactly L tokens and its per-token loss weights.
 
     With probability `dense` the context is packed with facts (many keys, little filler) and
@@ -156,7 +161,7 @@ def train_sequence(r: random.Random, L: int, tok, answer_weight: float, dense: f
     if r.random() < copy:
         return copy_sequence(r, L, tok, answer_weight)
     if mqar and r.random() < mqar:
-        return mqar_sequence(r, L, tok, answer_weight)
+        return mqar_sequence(r, L, tok, answer_weight, mqar_pairs)
     task = r.choices(T.TASKS, weights=task_weights)[0]
     packed = r.random() < dense
     if packed:
@@ -214,12 +219,26 @@ def _weights(text, default):
     return w
 
 
+def parse_pairs(text):
+    """"LO:HI" -> (LO, HI), or None for the length-dependent default."""
+    if not text:
+        return None
+    try:
+        lo, hi = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise SystemExit(f"bad --mqar-pairs {text!r}: expected LO:HI, e.g. 2:4") from None
+    if not 2 <= lo <= hi:
+        raise SystemExit(f"bad --mqar-pairs {text!r}: need 2 <= LO <= HI")
+    return lo, hi
+
+
 def make_batch(step: int, seed: int, B: int, L: int, tok, args, dense: float = 0.0):
     r = random.Random(seed * 1_000_003 + step)
     tw = _weights(getattr(args, "task_weights", None), TASK_WEIGHTS)
     pw = _weights(getattr(args, "packed_weights", None), PACKED_WEIGHTS)
     xs, ws = zip(*[train_sequence(r, L, tok, args.answer_weight, dense, args.copy_prob, tw, pw,
-                                  getattr(args, "mqar_prob", 0.0)) for _ in range(B)])
+                                  getattr(args, "mqar_prob", 0.0), parse_pairs(getattr(args, "mqar_pairs", None)))
+                               for _ in range(B)])
     x0 = np.stack(xs)
     w = np.stack(ws)
     nb = L // BLOCK
@@ -232,6 +251,10 @@ def make_batch(step: int, seed: int, B: int, L: int, tok, args, dense: float = 0
     cut = rn.integers(0, BLOCK, size=(B, nb, 1))
     masked_suffix = np.arange(BLOCK)[None, None, :] >= cut
     masked = np.where(suffix, masked_suffix, masked).reshape(B, L)
+    # answer-only rows: every answer token masked, everything else clean (the layout of inference,
+    # where the question is read and the answer is the mask; the densest retrieval signal)
+    answers_only = rn.uniform(size=(B, 1)) < getattr(args, "answer_mask_prob", 0.0)
+    masked = np.where(answers_only, w == args.answer_weight, masked)
     xt = np.where(masked, T.MASK_ID, x0)
     return xt.astype(np.int32), x0, masked, w
 
@@ -255,7 +278,13 @@ def two_copy_logits(params, cfg, xt, x0):
     pos = jnp.concatenate([jnp.arange(L), jnp.arange(L)]).astype(jnp.int32)
     h = forward_hidden(params, cfg, jnp.concatenate([xt, x0], axis=1), jnp.broadcast_to(pos, (B, 2 * L)),
                        mask=jnp.broadcast_to(mask, (B, 2 * L, 2 * L)))
-    return lm_head(params, cfg, h[:, :L])
+    if not cfg.logits_shift:
+        return lm_head(params, cfg, h[:, :L])
+    # shifted logits (Fast-dLLM v2): token p is predicted at p - 1; a block's first token from the
+    # clean copy's last position of the previous block (what generation reads from its cache)
+    first = (jnp.arange(L) % BLOCK == 0)[None, :, None]
+    src = jnp.where(first, jnp.roll(h[:, L:], 1, axis=1), jnp.roll(h[:, :L], 1, axis=1))
+    return lm_head(params, cfg, src)  # position 0 has no predictor: the loss skips it
 
 
 def make_train_step(cfg, opt, L):
@@ -263,6 +292,8 @@ def make_train_step(cfg, opt, L):
         logits = two_copy_logits(params, cfg, xt, x0)
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, x0)
         wm = w * masked
+        if cfg.logits_shift:
+            wm = wm.at[:, 0].set(0.0)
         loss = (ce * wm).sum() / jnp.maximum(wm.sum(), 1.0)
         acc = ((logits.argmax(-1) == x0) * masked).sum() / jnp.maximum(masked.sum(), 1)
         return loss, acc
@@ -473,7 +504,11 @@ def main(argv=None):
     ap.add_argument("--vocab", type=int, default=1536)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--constant-lr", action="store_true",
+                    help="no cosine decay after the warm-up (phases of a curriculum run one after another)")
     ap.add_argument("--answer-weight", type=float, default=3.0)
+    ap.add_argument("--answer-mask-prob", type=float, default=0.0,
+                    help="fraction of sequences with only their answer tokens masked (the rest clean)")
     ap.add_argument("--suffix-prob", type=float, default=0.5)
     ap.add_argument("--stages", default="0:128:32:0.8,0.2:256:16:0.6,0.4:512:8:0.4,0.6:1024:4:0.3,0.8:2048:2:0.3",
                     help="curriculum start_fraction:seq_len:batch[:packed_prob],...")
@@ -482,12 +517,18 @@ def main(argv=None):
     ap.add_argument("--mqar-prob", type=float, default=0.0,
                     help="fraction of one-token-key associative recall sequences (see mqar_sequence), "
                          "drawn after the induction sequences")
+    ap.add_argument("--mqar-pairs", default=None,
+                    help="LO:HI key-value pairs per associative recall sequence (default L/12:L/5); "
+                         "2:4 is what makes the key -> value lookup form (see mqar_sequence)")
     ap.add_argument("--task-weights", default=None,
                     help="sampling weights of passkey,multikey,twohop,docqa,longanswer "
                          f"(default {','.join(map(str, TASK_WEIGHTS))})")
     ap.add_argument("--packed-weights", default=None,
                     help="packed contexts: weights of multikey,twohop,longanswer,docqa "
                          f"(default {','.join(map(str, PACKED_WEIGHTS))})")
+    ap.add_argument("--logits-shift", action="store_true",
+                    help="predict token p from position p - 1 (Fast-dLLM v2 style); the lookup then "
+                         "queries from the key token itself instead of from the mask after it")
     ap.add_argument("--no-qk-norm", action="store_true", help="ablation: no q/k RMSNorm")
     ap.add_argument("--untied", action="store_true",
                     help="separate lm_head (default: tied to the embedding, which makes copying a token "
@@ -594,7 +635,8 @@ def main(argv=None):
         _, L, B, dense = stages[stage]
         if L not in steps_fns:
             steps_fns[L] = make_train_step(cfg, opt, L)
-        lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        decay = 1.0 if args.constant_lr else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac))
+        lr = args.lr * min(1.0, (step + 1) / args.warmup) * decay
         opt_state.hyperparams["learning_rate"] = jnp.asarray(lr, jnp.float32)
         if prefetch:
             xt, x0, masked, w = prefetch.get(step, B, L, dense)

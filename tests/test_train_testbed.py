@@ -94,6 +94,34 @@ def test_mqar_sequence_answers_are_the_recalled_values(tok):
             assert table[words[i - 1]] == words[i]
 
 
+def test_mqar_pairs_option(tok):
+    """--mqar-pairs LO:HI bounds the recall list's length; bad ranges are refused by name."""
+    for seed in range(5):
+        x, _ = tt.mqar_sequence(random.Random(seed), 64, tok, 3.0, pairs=tt.parse_pairs("2:4"))
+        words = [tok.id_to_token(int(t)) for t in x]
+        q = words.index("answer")  # [BOS] recall : (k v ,) x n . answer
+        assert (q - 4) % 3 == 0 and 2 <= (q - 4) // 3 <= 4
+    assert tt.parse_pairs(None) is None
+    for bad in ("4:2", "1:3", "two"):
+        with pytest.raises(SystemExit, match="--mqar-pairs"):
+            tt.parse_pairs(bad)
+    a = _args(seed=0, copy_prob=0.0, mqar_prob=1.0, mqar_pairs="2:3")
+    x0 = tt.make_batch(0, 0, 4, 64, tok, a)[1]
+    for row in x0:
+        words = [tok.id_to_token(int(t)) for t in row]
+        assert words[1] == "recall" and words.index("answer") in (4 + 3 * 2, 4 + 3 * 3)
+
+
+def test_answer_mask_prob_masks_exactly_the_answers(tok):
+    a = _args(seed=0, copy_prob=0.0, mqar_prob=1.0, answer_mask_prob=1.0)
+    xt, x0, masked, w = tt.make_batch(3, 0, 4, 64, tok, a)
+    np.testing.assert_array_equal(masked, w == 3.0)
+    np.testing.assert_array_equal(xt == T.MASK_ID, masked)
+    mixed = tt.make_batch(3, 0, 64, 64, tok, _args(seed=0, copy_prob=0.0, mqar_prob=1.0, answer_mask_prob=0.5))
+    rows = [(m == (ww == 3.0)).all() for m, ww in zip(mixed[2], mixed[3])]
+    assert 0 < sum(rows) < 64  # some rows answer-only, the others with the usual random noise
+
+
 def test_task_weights_option(tok):
     """--task-weights with the default values reproduces the default batch; bad weights are refused;
     a multikey-only mix yields multikey prompts."""
@@ -106,6 +134,30 @@ def test_task_weights_option(tok):
         tt.make_batch(0, 0, 1, 64, tok, _args(seed=0, task_weights="1,2"), dense=0.0)
     x0 = tt.make_batch(1, 0, 4, 128, tok, _args(seed=0, copy_prob=0.0, task_weights="0,1,0,0,0"), dense=0.0)[1]
     assert all("special magic number" in tok.decode(list(row)) for row in x0)
+
+
+@pytest.mark.parametrize("shift", [False, True])
+def test_two_copy_logits_match_per_block_forwards(tok, shift):
+    """Block b of the noisy copy is predicted as generation would predict it: a block-causal forward
+    of [clean blocks < b, noisy block b]; shifted logits read position p - 1, and a block's first
+    token the clean previous block's last position."""
+    a = _args(logits_shift=shift)
+    cfg = tt.make_config(a, tok.get_vocab_size())
+    params = init_params(cfg, jax.random.PRNGKey(1))
+    xt, x0, _, _ = tt.make_batch(0, 0, 2, 96, tok, _args(seed=0))
+    got = np.asarray(tt.two_copy_logits(params, cfg, xt, x0))
+    bs = tt.BLOCK
+    for b in range(96 // bs):
+        seq = np.concatenate([x0[:, :b * bs], xt[:, b * bs:(b + 1) * bs]], axis=1)
+        ref = np.asarray(forward_logits(params, cfg, seq, attention="block_causal"))
+        lo = b * bs
+        if not shift:
+            np.testing.assert_allclose(got[:, lo:lo + bs], ref[:, lo:], rtol=2e-4, atol=2e-4)
+            continue
+        np.testing.assert_allclose(got[:, lo + 1:lo + bs], ref[:, lo:lo + bs - 1], rtol=2e-4, atol=2e-4)
+        if b:  # the first token: the clean prefix's last position
+            clean = np.asarray(forward_logits(params, cfg, x0[:, :lo], attention="block_causal"))
+            np.testing.assert_allclose(got[:, lo], clean[:, -1], rtol=2e-4, atol=2e-4)
 
 
 def test_two_copy_mask():
