@@ -244,7 +244,7 @@ def make_batch(step: int, seed: int, B: int, L: int, tok, args, dense: float = 0
     nb = L // BLOCK
     # noise
     rn = np.random.default_rng(seed * 7919 + step)
-    t = rn.uniform(size=(B, nb, 1))
+    t = rn.uniform(size=(B, nb, 1)) * getattr(args, "mask_ratio_max", 1.0)
     p = (1 - 1e-3) * t + 1e-3
     masked = rn.uniform(size=(B, nb, BLOCK)) < p
     suffix = rn.uniform(size=(B, 1, 1)) < args.suffix_prob
@@ -313,6 +313,8 @@ def make_decoder(cfg):
     def pred(params, toks):
         b, t = toks.shape
         logits = lm_head(params, cfg, forward_hidden(params, cfg, toks))
+        if cfg.logits_shift:  # token p is predicted at p - 1 (position 0 is [BOS], never a mask)
+            logits = jnp.concatenate([logits[:, :1], logits[:, :-1]], axis=1)
         prob = jax.nn.softmax(logits, -1)
         return prob.argmax(-1), prob.max(-1)
 
@@ -509,6 +511,8 @@ def main(argv=None):
     ap.add_argument("--answer-weight", type=float, default=3.0)
     ap.add_argument("--answer-mask-prob", type=float, default=0.0,
                     help="fraction of sequences with only their answer tokens masked (the rest clean)")
+    ap.add_argument("--mask-ratio-max", type=float, default=1.0,
+                    help="per-block mask ratios are drawn from U(0, this) (low: most context stays visible)")
     ap.add_argument("--suffix-prob", type=float, default=0.5)
     ap.add_argument("--stages", default="0:128:32:0.8,0.2:256:16:0.6,0.4:512:8:0.4,0.6:1024:4:0.3,0.8:2048:2:0.3",
                     help="curriculum start_fraction:seq_len:batch[:packed_prob],...")

@@ -214,3 +214,20 @@ def test_export_reads_back_through_converter(tmp_path, tied):
     got = forward_logits(model.params, model.config, toks)
     # exported in bfloat16: compare the predictions, with a loose bound on the logits
     assert np.abs(np.asarray(got, np.float32) - np.asarray(want)).max() < 0.05
+
+
+def test_recall_control_runs_and_refuses_a_leaking_layout(capsys, tmp_path):
+    """experiments/recall_control.py: a few steps report an answer accuracy in [0, 1] and export
+    weights the library loads; block-causal attention without masked answers (an answer readable
+    by its own predictor) is refused."""
+    sys.path.insert(0, ROOT)
+    from experiments import recall_control as rc
+
+    acc = rc.main(["--max-steps", "3", "--report-every", "1", "--batch", "4", "--d-model", "32",
+                   "--mask-answers", "--block", "32", "--save", str(tmp_path / "m")])
+    assert 0.0 <= acc <= 1.0
+    assert '"summary": true' in capsys.readouterr().out
+    model = load_pretrained(str(tmp_path / "m"), dtype="float32")
+    assert model.config.hidden_size == 32 and model.config.num_layers == 2
+    with pytest.raises(SystemExit, match="--mask-answers"):
+        rc.main(["--block", "32"])
