@@ -64,6 +64,9 @@ def make_loss(cfg, L: int, block: int, mask_answers: bool):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pairs", default="2:4", help="LO:HI key-value pairs per sequence (train_testbed --mqar-pairs)")
+    ap.add_argument("--data", choices=("mqar", "multikey"), default="mqar",
+                    help="mqar: one-token keys (train_testbed.mqar_sequence); multikey: fact-packed multi-key "
+                         "contexts with two-word keys and extra questions (the task's own template)")
     ap.add_argument("--switch", type=int, default=0, help="after this many steps use the default pair counts")
     ap.add_argument("--mask-answers", action="store_true")
     ap.add_argument("--block", type=int, default=1, help="1: causal; N: block-causal with N-token blocks")
@@ -117,7 +120,11 @@ def main(argv=None):
     t0, n, accs, first_half = time.time(), 0, [], None
     while time.time() - t0 < 60 * a.minutes and (not a.max_steps or n < a.max_steps):
         p = None if (a.switch and n >= a.switch) else pairs
-        xs, ws = zip(*[tt.mqar_sequence(r, a.length, tok, ANSWER_WEIGHT, p) for _ in range(a.batch)])
+        if a.data == "multikey":
+            xs, ws = zip(*[tt.train_sequence(r, a.length, tok, ANSWER_WEIGHT, 1.0, 0.0, (0, 1, 0, 0, 0),
+                                             (1, 0, 0, 0)) for _ in range(a.batch)])
+        else:
+            xs, ws = zip(*[tt.mqar_sequence(r, a.length, tok, ANSWER_WEIGHT, p) for _ in range(a.batch)])
         params, opt_state, loss, acc = step(params, opt_state, np.stack(xs), np.stack(ws))
         n += 1
         accs.append(float(acc))

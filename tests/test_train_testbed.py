@@ -229,5 +229,7 @@ def test_recall_control_runs_and_refuses_a_leaking_layout(capsys, tmp_path):
     assert '"summary": true' in capsys.readouterr().out
     model = load_pretrained(str(tmp_path / "m"), dtype="float32")
     assert model.config.hidden_size == 32 and model.config.num_layers == 2
+    assert 0.0 <= rc.main(["--data", "multikey", "--max-steps", "1", "--batch", "2", "--d-model", "32",
+                           "--length", "128"]) <= 1.0
     with pytest.raises(SystemExit, match="--mask-answers"):
         rc.main(["--block", "32"])
