@@ -12,7 +12,8 @@
 # KEYMATCH=1 first gives the shipped weights a causal-LM warm-up on few-pair associative recall
 # (experiments/recall_control.py; the key -> value lookup forms there in ~250 steps on the CPU) and
 # then trains block diffusion with shifted logits (--logits-shift) and 20% recall sequences, the
-# recipe under which the lookup survives (testbed card, "Why key matching does not form").
+# recipe under which the one-token lookup survives (testbed card, "Why key matching does not
+# form"; on the CPU the task's two-word-key multi-key lookup still stayed at chance with it).
 set -u
 OUT=${OUT:-/tmp/gpu_out}
 TRAIN_WALL_MIN=${TRAIN_WALL_MIN:-4.3}
