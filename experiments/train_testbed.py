@@ -118,7 +118,8 @@ def copy_sequence(r: random.Random, L: int, tok, answer_weight: float):
     return np.asarray(ids[:L], np.int32), np.asarray(w[:L], np.float32)
 
 
-def mqar_sequence(r: random.Random, L: int, tok, answer_weight: float, pairs=None):
+def mqar_sequence(r: random.Random, L: int, tok, answer_weight: float, pairs=None, key_words: int = 1,
+                  link: str = ""):
     """Associative recall with one-token keys (MQAR, Arora et al. 2023): "recall : k1 v1 , k2 v2 ,
     ... . answer : k3 v3 ; k1 v1 ; ..." with word keys and 3-digit values. A value in the query
     part is predictable only by finding its key earlier: the key -> value lookup that multi-key
@@ -126,21 +127,31 @@ def mqar_sequence(r: random.Random, L: int, tok, answer_weight: float, pairs=Non
 
     `pairs` (lo, hi) draws the number of key-value pairs from [lo, hi] (default L/12 .. L/5).
     Few pairs (2-4) is what lets the lookup form: copying any earlier value is then already
-    right a third of the time, and matching the key is a large, frequent gain."""
+    right a third of the time, and matching the key is a large, frequent gain.
+    `key_words` 2 makes each key "adjective noun" (as multi-key's keys are); `link` puts a word
+    between key and value (multi-key's "... is VALUE"), so the value no longer follows its key."""
     from maskahead_jax.tasks import lexicon as LX
 
     lo, hi = pairs or (L // 12, L // 5)
     n = max(2, min(len(LX.NOUNS), r.randint(lo, max(lo, hi))))
-    keys = r.sample(LX.NOUNS, n)
+    if key_words == 1:
+        keys = r.sample(LX.NOUNS, n)
+    else:
+        keys = []
+        while len(keys) < n:
+            k = f"{r.choice(LX.ADJS)} {r.choice(LX.NOUNS)}"
+            if k not in keys:
+                keys.append(k)
     vals = [str(r.randrange(100, 1000)) for _ in keys]
+    sep_link = f" {link}" if link else ""
     ids = [T.BOS_ID] + _ids(tok, "recall :")
     for k, v in zip(keys, vals):
-        ids += _ids(tok, f"{k} {v} ,")
+        ids += _ids(tok, f"{k}{sep_link} {v} ,")
     ids += _ids(tok, ". answer :")
     w = [1.0] * len(ids)
     while len(ids) < L:
         i = r.randrange(n)
-        ki, vi, sep = _ids(tok, keys[i]), _ids(tok, vals[i]), _ids(tok, ";")
+        ki, vi, sep = _ids(tok, keys[i] + sep_link), _ids(tok, vals[i]), _ids(tok, ";")
         ids += ki + vi + sep
         w += [1.0] * len(ki) + [answer_weight] * len(vi) + [1.0] * len(sep)
     return np.asarray(ids[:L], np.int32), np.asarray(w[:L], np.float32)

@@ -94,6 +94,18 @@ def test_mqar_sequence_answers_are_the_recalled_values(tok):
             assert table[words[i - 1]] == words[i]
 
 
+def test_mqar_two_word_keys_with_a_link(tok):
+    """key_words=2, link="is": "adj noun is v" facts; each answer follows "is" and its two-word key."""
+    x, w = tt.mqar_sequence(random.Random(1), 128, tok, 3.0, (2, 4), key_words=2, link="is")
+    words = [tok.id_to_token(int(t)) for t in x]
+    q = words.index("answer")
+    table = {(words[i], words[i + 1]): words[i + 3] for i in range(3, q - 1, 5)}
+    answers = [i for i in range(len(x)) if w[i] == 3.0]
+    assert 2 <= len(table) <= 4 and answers
+    for i in answers:
+        assert words[i - 1] == "is" and table[(words[i - 3], words[i - 2])] == words[i]
+
+
 def test_mqar_pairs_option(tok):
     """--mqar-pairs LO:HI bounds the recall list's length; bad ranges are refused by name."""
     for seed in range(5):
