@@ -100,13 +100,7 @@ def main(argv=None):
     cfg = tt.make_config(margs, 1536)
     params = init_params(cfg, jax.random.PRNGKey(a.seed))
     if a.init_from:
-        from maskahead_jax.api import load_pretrained
-
-        loaded = load_pretrained(a.init_from, dtype="float32").params
-        shapes = lambda t: jax.tree_util.tree_map(lambda x: x.shape, t)  # noqa: E731
-        if shapes(loaded) != shapes(params):
-            raise SystemExit(f"--init-from {a.init_from}: its shapes do not match --layers/--d-model/...")
-        params = loaded
+        params = tt.load_init(a.init_from, params)
     sched = optax.warmup_constant_schedule(0.0, a.lr, 200)
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, b1=0.9, b2=0.98, weight_decay=0.0))
     opt_state = opt.init(params)

@@ -61,7 +61,7 @@ def make_config(args, vocab: int) -> ModelConfig:
             head_dim=args.d_model // args.heads, intermediate_size=args.ffn, rms_eps=1e-6,
             rope_theta=args.rope_theta, qk_norm=False, qkv_bias=True,
             tie_embeddings=not getattr(args, "untied", False),
-            attention="block_causal", logits_shift=False, mask_token_id=T.MASK_ID,
+            attention="block_causal", logits_shift=getattr(args, "logits_shift", False), mask_token_id=T.MASK_ID,
             eos_token_ids=(T.EOS_ID,), pad_token_id=T.PAD_ID, block_size=BLOCK,
             commit_rule="dynamic", threshold=0.85, max_position_embeddings=8192)
     return ModelConfig(
@@ -247,9 +247,9 @@ def make_batch(step: int, seed: int, B: int, L: int, tok, args, dense: float = 0
     r = random.Random(seed * 1_000_003 + step)
     tw = _weights(getattr(args, "task_weights", None), TASK_WEIGHTS)
     pw = _weights(getattr(args, "packed_weights", None), PACKED_WEIGHTS)
+    pairs = parse_pairs(getattr(args, "mqar_pairs", None))
     xs, ws = zip(*[train_sequence(r, L, tok, args.answer_weight, dense, args.copy_prob, tw, pw,
-                                  getattr(args, "mqar_prob", 0.0), parse_pairs(getattr(args, "mqar_pairs", None)))
-                               for _ in range(B)])
+                                  getattr(args, "mqar_prob", 0.0), pairs) for _ in range(B)])
     x0 = np.stack(xs)
     w = np.stack(ws)
     nb = L // BLOCK
@@ -476,6 +476,19 @@ class BatchPrefetcher:
         self.pool.terminate()
 
 
+def load_init(path: str, like):
+    """The float32 params of an exported folder, checked against `like` (the configured model)."""
+    from maskahead_jax.api import load_pretrained
+
+    loaded = load_pretrained(path, dtype="float32").params
+    want = jax.tree_util.tree_map(lambda a: a.shape, like)
+    got = jax.tree_util.tree_map(lambda a: a.shape, loaded)
+    if want != got:
+        raise SystemExit(f"--init-from {path}: parameter shapes {got} do not match the "
+                         f"configured model {want} (pass the same --layers/--d-model/... it was trained with)")
+    return loaded
+
+
 # ----------------------------------------------------------------------------- main
 def curriculum(frac: float, stages, current: int = 0, heldout: float = 1.0, gate: float = 0.0,
                slack: float = 0.15) -> int:
@@ -574,15 +587,7 @@ def main(argv=None):
     cfg = make_config(args, args.vocab)
     params = init_params(cfg, jax.random.PRNGKey(args.seed))
     if args.init_from:
-        from maskahead_jax.api import load_pretrained
-
-        loaded = load_pretrained(args.init_from, dtype="float32")
-        want = jax.tree_util.tree_map(lambda a: a.shape, params)
-        got = jax.tree_util.tree_map(lambda a: a.shape, loaded.params)
-        if want != got:
-            raise SystemExit(f"--init-from {args.init_from}: parameter shapes {got} do not match the "
-                             f"configured model {want} (pass the same --layers/--d-model/... it was trained with)")
-        params = loaded.params
+        params = load_init(args.init_from, params)
         print(f"initialized from {args.init_from}", flush=True)
     nparam = sum(x.size for x in jax.tree_util.tree_leaves(params))
     print(f"params: {nparam / 1e6:.2f}M  cfg: {cfg}", flush=True)
