@@ -69,6 +69,8 @@ def main(argv=None):
                          "contexts with two-word keys and extra questions (the task's own template)")
     ap.add_argument("--key-words", type=int, choices=(1, 2), default=1, help="mqar: words per key")
     ap.add_argument("--link", default="", help='mqar: a word between key and value, e.g. "is"')
+    ap.add_argument("--template", choices=tt.MQAR_TEMPLATES, default="list",
+                    help="mqar: recall list, the task's fact sentences, or its questions (mqar_sequence)")
     ap.add_argument("--switch", type=int, default=0, help="after this many steps use the default pair counts")
     ap.add_argument("--mask-answers", action="store_true")
     ap.add_argument("--block", type=int, default=1, help="1: causal; N: block-causal with N-token blocks")
@@ -120,7 +122,8 @@ def main(argv=None):
             xs, ws = zip(*[tt.train_sequence(r, a.length, tok, ANSWER_WEIGHT, 1.0, 0.0, (0, 1, 0, 0, 0),
                                              (1, 0, 0, 0)) for _ in range(a.batch)])
         else:
-            xs, ws = zip(*[tt.mqar_sequence(r, a.length, tok, ANSWER_WEIGHT, p, a.key_words, a.link)
+            xs, ws = zip(*[tt.mqar_sequence(r, a.length, tok, ANSWER_WEIGHT, p, a.key_words, a.link,
+                                            a.template)
                            for _ in range(a.batch)])
         params, opt_state, loss, acc = step(params, opt_state, np.stack(xs), np.stack(ws))
         n += 1

@@ -119,7 +119,7 @@ def copy_sequence(r: random.Random, L: int, tok, answer_weight: float):
 
 
 def mqar_sequence(r: random.Random, L: int, tok, answer_weight: float, pairs=None, key_words: int = 1,
-                  link: str = ""):
+                  link: str = "", template: str = "list"):
     """Associative recall with one-token keys (MQAR, Arora et al. 2023): "recall : k1 v1 , k2 v2 ,
     ... . answer : k3 v3 ; k1 v1 ; ..." with word keys and 3-digit values. A value in the query
     part is predictable only by finding its key earlier: the key -> value lookup that multi-key
@@ -129,10 +129,21 @@ def mqar_sequence(r: random.Random, L: int, tok, answer_weight: float, pairs=Non
     Few pairs (2-4) is what lets the lookup form: copying any earlier value is then already
     right a third of the time, and matching the key is a large, frequent gain.
     `key_words` 2 makes each key "adjective noun" (as multi-key's keys are); `link` puts a word
-    between key and value (multi-key's "... is VALUE"), so the value no longer follows its key."""
+    between key and value (multi-key's "... is VALUE"), so the value no longer follows its key.
+
+    `template` moves the recall list towards the multi-key task's sentences:
+    "list" (above); "sentence": every fact and query is "[P] KEY is VALUE ." where P is the last
+    0-5 words of the task's "the special magic number for" (one draw per sequence; a causal
+    model from the list recall reaches 0.97 in ~300 steps on it, but stays at chance for 500 on
+    the full phrase alone, and then handles the full phrase at once); "question": facts are the
+    task's sentences, queries its question and answer, "what is the special magic number for KEY
+    ? the special magic number for KEY is VALUE ." (the key also occurs just before its answer,
+    followed by "?"). `pairs` defaults to L/12 .. L/5 for the list, L/48 .. L/24 for sentences."""
     from maskahead_jax.tasks import lexicon as LX
 
-    lo, hi = pairs or (L // 12, L // 5)
+    if template not in MQAR_TEMPLATES:
+        raise ValueError(f"unknown recall template {template!r}; expected one of {MQAR_TEMPLATES}")
+    lo, hi = pairs or ((L // 12, L // 5) if template == "list" else (L // 48, L // 24))
     n = max(2, min(len(LX.NOUNS), r.randint(lo, max(lo, hi))))
     if key_words == 1:
         keys = r.sample(LX.NOUNS, n)
@@ -143,18 +154,37 @@ def mqar_sequence(r: random.Random, L: int, tok, answer_weight: float, pairs=Non
             if k not in keys:
                 keys.append(k)
     vals = [str(r.randrange(100, 1000)) for _ in keys]
-    sep_link = f" {link}" if link else ""
-    ids = [T.BOS_ID] + _ids(tok, "recall :")
+    if template == "list":
+        sep_link = f" {link}" if link else ""
+        fact = lambda k, v: f"{k}{sep_link} {v} ,"  # noqa: E731
+        query = lambda k: (k + sep_link, ";")  # noqa: E731
+        head, middle = "recall :", ". answer :"
+    else:
+        phrase = "the special magic number for".split()
+        lead = " ".join(phrase[r.randint(0, len(phrase)):] if template == "sentence" else phrase)
+        lead = lead + " " if lead else ""
+        fact = lambda k, v: f"{lead}{k} is {v} ."  # noqa: E731
+        head, middle = "", ""
+        if template == "sentence":
+            query = lambda k: (f"{lead}{k} is", ".")  # noqa: E731
+        else:
+            query = lambda k: (f"what is the special magic number for {k} ? "  # noqa: E731
+                               f"the special magic number for {k} is", ".")
+    ids = [T.BOS_ID] + (_ids(tok, head) if head else [])
     for k, v in zip(keys, vals):
-        ids += _ids(tok, f"{k}{sep_link} {v} ,")
-    ids += _ids(tok, ". answer :")
+        ids += _ids(tok, fact(k, v))
+    ids += _ids(tok, middle) if middle else []
     w = [1.0] * len(ids)
     while len(ids) < L:
         i = r.randrange(n)
-        ki, vi, sep = _ids(tok, keys[i] + sep_link), _ids(tok, vals[i]), _ids(tok, ";")
+        before, after = query(keys[i])
+        ki, vi, sep = _ids(tok, before), _ids(tok, vals[i]), _ids(tok, after)
         ids += ki + vi + sep
         w += [1.0] * len(ki) + [answer_weight] * len(vi) + [1.0] * len(sep)
     return np.asarray(ids[:L], np.int32), np.asarray(w[:L], np.float32)
+
+
+MQAR_TEMPLATES = ("list", "sentence", "question")
 
 
 TASK_WEIGHTS = (0.22, 0.3, 0.18, 0.15, 0.15)  # passkey, multikey, twohop, docqa, longanswer
@@ -163,7 +193,7 @@ PACKED_WEIGHTS = (0.45, 0.2, 0.2, 0.15)  # packed contexts: multikey, twohop, lo
 
 def train_sequence(r: random.Random, L: int, tok, answer_weight: float, dense: float = 0.0,
                    copy: float = 0.0, task_weights=TASK_WEIGHTS, packed_weights=PACKED_WEIGHTS,
-                   mqar: float = 0.0, mqar_pairs=None):
+                   mqar: float = 0.0, mqar_pairs=None, mqar_templates=("list",)):
     """One clean training sequence of exactly L tokens and its per-token loss weights.
 
     With probability `dense` the context is packed with facts (many keys, little filler) and
@@ -172,7 +202,9 @@ def train_sequence(r: random.Random, L: int, tok, answer_weight: float, dense: f
     if r.random() < copy:
         return copy_sequence(r, L, tok, answer_weight)
     if mqar and r.random() < mqar:
-        return mqar_sequence(r, L, tok, answer_weight, mqar_pairs)
+        template = r.choice(mqar_templates)  # the list keeps one-word keys; sentences use the task's two
+        return mqar_sequence(r, L, tok, answer_weight, mqar_pairs, 1 if template == "list" else 2,
+                             "", template)
     task = r.choices(T.TASKS, weights=task_weights)[0]
     packed = r.random() < dense
     if packed:
@@ -243,13 +275,25 @@ def parse_pairs(text):
     return lo, hi
 
 
+def parse_templates(text):
+    """"list,sentence" -> ("list", "sentence"): the recall templates a sequence draws from."""
+    if not text:
+        return ("list",)
+    out = tuple(t.strip() for t in text.split(","))
+    bad = [t for t in out if t not in MQAR_TEMPLATES]
+    if bad:
+        raise SystemExit(f"bad --mqar-templates {text!r}: unknown {bad}; choose from {MQAR_TEMPLATES}")
+    return out
+
+
 def make_batch(step: int, seed: int, B: int, L: int, tok, args, dense: float = 0.0):
     r = random.Random(seed * 1_000_003 + step)
     tw = _weights(getattr(args, "task_weights", None), TASK_WEIGHTS)
     pw = _weights(getattr(args, "packed_weights", None), PACKED_WEIGHTS)
     pairs = parse_pairs(getattr(args, "mqar_pairs", None))
+    templates = parse_templates(getattr(args, "mqar_templates", None))
     xs, ws = zip(*[train_sequence(r, L, tok, args.answer_weight, dense, args.copy_prob, tw, pw,
-                                  getattr(args, "mqar_prob", 0.0), pairs) for _ in range(B)])
+                                  getattr(args, "mqar_prob", 0.0), pairs, templates) for _ in range(B)])
     x0 = np.stack(xs)
     w = np.stack(ws)
     nb = L // BLOCK
@@ -548,6 +592,10 @@ def main(argv=None):
     ap.add_argument("--mqar-pairs", default=None,
                     help="LO:HI key-value pairs per associative recall sequence (default L/12:L/5); "
                          "2:4 is what makes the key -> value lookup form (see mqar_sequence)")
+    ap.add_argument("--mqar-templates", default="list",
+                    help="comma list of recall templates each recall sequence draws from: list (one-word "
+                         "keys), sentence, question (two-word keys, towards the multi-key task's "
+                         "sentences; see mqar_sequence)")
     ap.add_argument("--task-weights", default=None,
                     help="sampling weights of passkey,multikey,twohop,docqa,longanswer "
                          f"(default {','.join(map(str, TASK_WEIGHTS))})")

@@ -245,3 +245,67 @@ def test_recall_control_runs_and_refuses_a_leaking_layout(capsys, tmp_path):
                            "--length", "128"]) <= 1.0
     with pytest.raises(SystemExit, match="--mask-answers"):
         rc.main(["--block", "32"])
+
+
+def _facts_and_answers(tok, x, w):
+    """Decode a sentence-template recall sequence: {key: value} from its facts, and the answers."""
+    words = [tok.id_to_token(int(t)) for t in x]
+    table, answers = {}, []
+    for i, t in enumerate(words):
+        if i >= 3 and words[i - 1] == "is" and t.isdigit():
+            key = (words[i - 3], words[i - 2])
+            if w[i] == 3.0:
+                answers.append((key, t))
+            else:
+                table.setdefault(key, t)
+    return words, table, answers
+
+
+def test_mqar_sentence_template_keeps_a_suffix_of_the_task_phrase(tok):
+    """template="sentence": "[P] adj noun is v ." where P is the same suffix of "the special magic
+    number for" in every fact and query of a sequence; every answer is its key's value, and over
+    seeds every suffix length (none .. the whole phrase) occurs."""
+    phrase = "the special magic number for".split()
+    leads = set()
+    for seed in range(40):
+        x, w = tt.mqar_sequence(random.Random(seed), 128, tok, 3.0, (2, 4), key_words=2, template="sentence")
+        words, table, answers = _facts_and_answers(tok, x, w)
+        assert 2 <= len(table) <= 4 and answers
+        for key, v in answers:
+            assert table[key] == v
+        starts = [i for i in range(1, len(words) - 3) if words[i + 2] == "is" and words[i + 3].isdigit()]
+        lead = tuple(words[1:starts[0]])  # the words between [BOS] and the first key
+        assert lead == tuple(phrase[len(phrase) - len(lead):])
+        for s in starts[1:]:
+            if s - len(lead) > 0:
+                assert tuple(words[s - len(lead):s]) == lead
+        leads.add(len(lead))
+    assert leads == set(range(len(phrase) + 1))
+
+
+def test_mqar_question_template_is_the_multikey_question(tok):
+    """template="question": facts are multi-key's sentences and each answer ends the task's own
+    question, "what is the special magic number for K ? the special magic number for K is"."""
+    x, w = tt.mqar_sequence(random.Random(3), 256, tok, 3.0, key_words=2, template="question")
+    words, table, answers = _facts_and_answers(tok, x, w)
+    assert len(answers) >= 2 and 256 // 48 <= len(table) <= max(2, 256 // 24)
+    text = " ".join(words)
+    for key, v in answers:
+        assert table[key] == v
+        k = " ".join(key)
+        assert f"what is the special magic number for {k} ? the special magic number for {k} is {v}" in text
+    with pytest.raises(ValueError, match="unknown recall template"):
+        tt.mqar_sequence(random.Random(0), 64, tok, 3.0, template="poem")
+
+
+def test_mqar_templates_option(tok):
+    """--mqar-templates: batches draw from the named templates; an unknown one is refused by name."""
+    assert tt.parse_templates(None) == ("list",)
+    assert tt.parse_templates("list, question") == ("list", "question")
+    with pytest.raises(SystemExit, match="--mqar-templates"):
+        tt.parse_templates("list,poem")
+    a = _args(seed=0, copy_prob=0.0, mqar_prob=1.0, mqar_templates="question")
+    x0 = tt.make_batch(0, 0, 4, 128, tok, a)[1]
+    for row in x0:
+        words = [tok.id_to_token(int(t)) for t in row]
+        assert words[1:6] == "the special magic number for".split() and "what" in words
