@@ -637,6 +637,11 @@ def main(argv=None):
     if args.init_from:
         params = load_init(args.init_from, params)
         print(f"initialized from {args.init_from}", flush=True)
+        init_cfg = os.path.join(args.init_from, "config.json")
+        if os.path.exists(init_cfg) and json.load(open(init_cfg)).get("logits_shift") is True \
+                and not args.logits_shift:
+            print(f"warning: {args.init_from} predicts with shifted logits (config logits_shift true) but "
+                  "this run trains without --logits-shift: its lookups will have to form again", flush=True)
     nparam = sum(x.size for x in jax.tree_util.tree_leaves(params))
     print(f"params: {nparam / 1e6:.2f}M  cfg: {cfg}", flush=True)
     opt = optax.inject_hyperparams(
