@@ -151,6 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="also write the JSON here")
 
     d = sub.add_parser("demo", help="testbed needle prompts: dense vs MaskAhead side by side")
+    d.add_argument("--tasks", default="passkey,multikey",
+                   help="testbed tasks to draw the prompts from (one per depth each), comma-separated")
     d.add_argument("--length", type=int, default=512)
     d.add_argument("--depths", default="0.25,0.75")
     d.add_argument("--capacity", type=float, default=10.0)
@@ -261,17 +263,16 @@ def cmd_profile(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from . import tasks as T
-    from .evaluation.datasets import load_tokenizer, needle_grid, score_example
+    from .evaluation.datasets import load_tokenizer, score_example, testbed_suite
     from .evaluation.policies import PolicyError, make_policy
     from .generate import generate
 
     t_start = time.perf_counter()
     model, path = _load(None)
     tok = load_tokenizer(path)
-    exs = needle_grid([args.length], _csv(args.depths, float), n_per_cell=1, seed=args.seed,
-                      tokenizer=tok)
-    cfg = _gen(argparse.Namespace(preset=None), max_new=exs[0].max_new_tokens)
+    exs = testbed_suite(_csv(args.tasks), [args.length], _csv(args.depths, float), n_per_cell=1,
+                        seed=args.seed, tokenizer=tok)
+    cfg = _gen(argparse.Namespace(preset=None), max_new=max(e.max_new_tokens for e in exs))
     runs = [("dense", make_policy("dense"))]
     notes = []
     for name in _csv(args.policy):
@@ -285,7 +286,7 @@ def cmd_demo(args) -> int:
             notes.append(f"note: {name} is not available here ({e}); skipped.")
     if len(runs) == 1:
         notes.append("note: showing the dense cache only.")
-    print(f"MaskAhead demo: testbed model ({path}), passkey needle, {args.length}-token prompts, "
+    print(f"MaskAhead demo: testbed model ({path}), tasks {args.tasks}, {args.length}-token prompts, "
           f"depths {args.depths}, capacity {args.capacity:g}%")
     for n in notes:
         print(n)
@@ -297,7 +298,7 @@ def cmd_demo(args) -> int:
         results[name] = out
     w = max(len(n) for n, _ in runs) + 2
     for i, e in enumerate(exs):
-        print(f"\n depth {e.meta['depth']:.2f}  answer {e.answers[0]}")
+        print(f"\n {e.meta['task']}  depth {e.meta['depth']:.2f}  answer {e.answers[0]}")
         for name, _ in runs:
             pred = tok.decode(results[name].tokens[i])
             ok = score_example(e, pred) >= 1.0

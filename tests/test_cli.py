@@ -93,6 +93,15 @@ def test_demo_runs(capsys):
     assert "dense" in out and "KV reduction" in out and "answer" in out
 
 
+def test_demo_tasks(capsys):
+    """--tasks picks the prompts' tasks (one prompt per task and depth); an unknown task is named."""
+    assert cli.main(["demo", "--tasks", "passkey,multikey", "--length", "128", "--depths", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "passkey  depth 0.50" in out and "multikey  depth 0.50" in out and "correct" in out
+    assert cli.main(["demo", "--tasks", "sudoku", "--length", "128"]) != 0
+    assert "sudoku" in capsys.readouterr().err
+
+
 def test_demo_missing_policy_falls_back_to_dense(capsys):
     assert cli.main(["demo", "--length", "96", "--depths", "0.5", "--policy", "no-such-policy"]) == 0
     out = capsys.readouterr().out
