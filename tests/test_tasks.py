@@ -55,6 +55,10 @@ def test_wrong_answers_score_lower(tok):
     assert ex.score(ex.answer + " . done") == 1.0
     ex = T.make_docqa(1024, 0.5, 0, tok)
     assert 0.0 < ex.score(ex.answer.split()[0]) < 1.0
+    # only the first sentence counts: what follows the answer's "." is not scored
+    assert ex.score(ex.answer + " . what is the motto of the red hall ? the motto") == 1.0
+    assert ex.score("wrong words . " + ex.answer) == 0.0
+    assert all("." not in T.make_docqa(512, d, s, tok).answer for d in (0.0, 1.0) for s in range(20))
     ex = T.make_longanswer(1024, 0.5, 0, tok)
     facts = ex.meta["facts"]
     half = " ".join(f"{n} {c} ;" for n, c in facts[: len(facts) // 2])

@@ -274,7 +274,10 @@ def score(ex: Example, prediction: str) -> float:
     if ex.task in ("passkey", "multikey", "twohop"):
         return float(_first_number(prediction) == ex.answer)
     if ex.task == "docqa":
-        return metrics.qa_f1_score(prediction, ex.answer)
+        # The answer completes a sentence and never holds a ".": the first sentence is the answer
+        # (a model that goes on to ask itself the next question is not penalized for it, as
+        # LongBench keeps only the first line of predictions for its few-shot datasets).
+        return metrics.qa_f1_score(prediction.split(".")[0], ex.answer)
     if ex.task == "longanswer":
         return longanswer_score(prediction, ex.meta["facts"])
     raise ValueError(f"unknown task {ex.task!r}")
