@@ -106,7 +106,8 @@ def update_readme(args, out, argv):
         t, n, d = k.split("/")
         lines.append(f"| {t} | {n} | {d} | {v:.3f} |")
     lines += ["", "Per task (mean over cells): " + ", ".join(f"{k} {v:.3f}" for k, v in out["summary"].items()),
-              "", "Scores: exact match of the number for passkey / multikey / twohop, LongBench QA F1 for docqa, "
+              "", "Scores: exact match of the number for passkey / multikey / twohop, LongBench QA F1 of the first "
+              "sentence for docqa, "
               "fraction of facts for longanswer.", ""]
     with open(path, "w") as f:
         f.write(head + "\n".join(lines))
