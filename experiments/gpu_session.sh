@@ -14,7 +14,7 @@
 # then on recall in the multi-key task's sentences with a random part of their constant phrase
 # (--template sentence; the full phrase alone blocks the lookup from forming), and then trains
 # block diffusion with shifted logits (--logits-shift) and 30% recall sequences in all three
-# templates: the CPU recipe of the shipped testbed (its card, "How this export was made").
+# templates: the CPU recipe of the shipped testbed (its card, "Stages 3-5").
 set -u
 OUT=${OUT:-/tmp/gpu_out}
 TRAIN_WALL_MIN=${TRAIN_WALL_MIN:-4.3}

@@ -134,8 +134,8 @@ def mqar_sequence(r: random.Random, L: int, tok, answer_weight: float, pairs=Non
     `template` moves the recall list towards the multi-key task's sentences:
     "list" (above); "sentence": every fact and query is "[P] KEY is VALUE ." where P is the last
     0-5 words of the task's "the special magic number for" (one draw per sequence; a causal
-    model from the list recall reaches 0.97 in ~300 steps on it, but stays at chance for 500 on
-    the full phrase alone, and then handles the full phrase at once); "question": facts are the
+    model trained on the list recall passes 0.5 after ~250 steps on it and 0.97 by 600, while on
+    the full phrase alone it stays at chance for 500, and then handles the full phrase at once); "question": facts are the
     task's sentences, queries its question and answer, "what is the special magic number for KEY
     ? the special magic number for KEY is VALUE ." (the key also occurs just before its answer,
     followed by "?"). `pairs` defaults to L/12 .. L/5 for the list, L/48 .. L/24 for sentences."""
@@ -638,8 +638,11 @@ def main(argv=None):
         params = load_init(args.init_from, params)
         print(f"initialized from {args.init_from}", flush=True)
         init_cfg = os.path.join(args.init_from, "config.json")
-        if os.path.exists(init_cfg) and json.load(open(init_cfg)).get("logits_shift") is True \
-                and not args.logits_shift:
+        init_shift = False
+        if os.path.exists(init_cfg):
+            with open(init_cfg) as f:
+                init_shift = json.load(f).get("logits_shift") is True
+        if init_shift and not args.logits_shift:
             print(f"warning: {args.init_from} predicts with shifted logits (config logits_shift true) but "
                   "this run trains without --logits-shift: its lookups will have to form again", flush=True)
     nparam = sum(x.size for x in jax.tree_util.tree_leaves(params))
