@@ -145,31 +145,23 @@ def mqar_sequence(r: random.Random, L: int, tok, answer_weight: float, pairs=Non
         raise ValueError(f"unknown recall template {template!r}; expected one of {MQAR_TEMPLATES}")
     lo, hi = pairs or ((L // 12, L // 5) if template == "list" else (L // 48, L // 24))
     n = max(2, min(len(LX.NOUNS), r.randint(lo, max(lo, hi))))
-    if key_words == 1:
-        keys = r.sample(LX.NOUNS, n)
-    else:
-        keys = []
-        while len(keys) < n:
-            k = f"{r.choice(LX.ADJS)} {r.choice(LX.NOUNS)}"
-            if k not in keys:
-                keys.append(k)
+    keys = r.sample(LX.NOUNS, n) if key_words == 1 else T.multikey_keys(r, n)
     vals = [str(r.randrange(100, 1000)) for _ in keys]
     if template == "list":
         sep_link = f" {link}" if link else ""
         fact = lambda k, v: f"{k}{sep_link} {v} ,"  # noqa: E731
         query = lambda k: (k + sep_link, ";")  # noqa: E731
         head, middle = "recall :", ". answer :"
-    else:
-        phrase = "the special magic number for".split()
-        lead = " ".join(phrase[r.randint(0, len(phrase)):] if template == "sentence" else phrase)
+    elif template == "sentence":
+        phrase = T.MULTIKEY_PHRASE.split()
+        lead = " ".join(phrase[r.randint(0, len(phrase)):])
         lead = lead + " " if lead else ""
         fact = lambda k, v: f"{lead}{k} is {v} ."  # noqa: E731
+        query = lambda k: (f"{lead}{k} is", ".")  # noqa: E731
         head, middle = "", ""
-        if template == "sentence":
-            query = lambda k: (f"{lead}{k} is", ".")  # noqa: E731
-        else:
-            query = lambda k: (f"what is the special magic number for {k} ? "  # noqa: E731
-                               f"the special magic number for {k} is", ".")
+    else:  # the task's own fact sentences and questions
+        fact, query = T.multikey_fact, lambda k: (T.multikey_question(k), ".")  # noqa: E731
+        head, middle = "", ""
     ids = [T.BOS_ID] + (_ids(tok, head) if head else [])
     for k, v in zip(keys, vals):
         ids += _ids(tok, fact(k, v))

@@ -162,18 +162,34 @@ def _distinct(r, fn, k):
     return out
 
 
+MULTIKEY_PHRASE = "the special magic number for"  # what every multi-key fact says before its key
+
+
+def multikey_keys(r: random.Random, n: int) -> list[str]:
+    """n distinct two-word keys ("adjective noun"), as the multi-key task draws them."""
+    return _distinct(r, _keyname, n)
+
+
+def multikey_fact(key: str, value: str) -> str:
+    return f"{MULTIKEY_PHRASE} {key} is {value} ."
+
+
+def multikey_question(key: str) -> str:
+    """The question about `key`; its answer (the value) follows it."""
+    return f"what is {MULTIKEY_PHRASE} {key} ? {MULTIKEY_PHRASE} {key} is"
+
+
 def make_multikey(n_tokens: int, depth: float, seed: int, tokenizer=None, n_keys: int = 0) -> Example:
     tok = tokenizer or get_tokenizer()
     r = random.Random(f"multikey:{seed}:{n_tokens}:{depth}")
     n_keys = n_keys or max(4, min(64, n_tokens // 64))
-    keys = _distinct(r, _keyname, n_keys)
+    keys = multikey_keys(r, n_keys)
     vals = [_digits(r, 3) for _ in keys]
-    needles = [(depth, f"the special magic number for {keys[0]} is {vals[0]} .")]
+    needles = [(depth, multikey_fact(keys[0], vals[0]))]
     for k, v in zip(keys[1:], vals[1:]):
-        needles.append((r.random(), f"the special magic number for {k} is {v} ."))
-    question = f"what is the special magic number for {keys[0]} ? the special magic number for {keys[0]} is"
-    qa = [(f"what is the special magic number for {k} ? the special magic number for {k} is", v)
-          for k, v in zip(keys, vals)]
+        needles.append((r.random(), multikey_fact(k, v)))
+    question = multikey_question(keys[0])
+    qa = [(multikey_question(k), v) for k, v in zip(keys, vals)]
     return _finish("multikey", r, n_tokens, depth, seed, tok, needles, question, vals[0],
                    {"key": keys[0], "n_keys": n_keys, "queries": qa})
 
