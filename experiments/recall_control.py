@@ -64,9 +64,9 @@ def make_loss(cfg, L: int, block: int, mask_answers: bool):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pairs", default="2:4", help="LO:HI key-value pairs per sequence (train_testbed --mqar-pairs)")
-    ap.add_argument("--data", choices=("mqar", "multikey"), default="mqar",
-                    help="mqar: one-token keys (train_testbed.mqar_sequence); multikey: fact-packed multi-key "
-                         "contexts with two-word keys and extra questions (the task's own template)")
+    ap.add_argument("--data", choices=("mqar",) + tt.PACKED_TASKS, default="mqar",
+                    help="mqar: one-token keys (train_testbed.mqar_sequence); a task name: that task's "
+                         "fact-packed contexts with extra questions (train_testbed.train_sequence, packed)")
     ap.add_argument("--key-words", type=int, choices=(1, 2), default=1, help="mqar: words per key")
     ap.add_argument("--link", default="", help='mqar: a word between key and value, e.g. "is"')
     ap.add_argument("--template", choices=tt.MQAR_TEMPLATES, default="list",
@@ -118,9 +118,10 @@ def main(argv=None):
     t0, n, accs, first_half = time.time(), 0, [], None
     while time.time() - t0 < 60 * a.minutes and (not a.max_steps or n < a.max_steps):
         p = None if (a.switch and n >= a.switch) else pairs
-        if a.data == "multikey":
+        if a.data != "mqar":
+            packed = tuple(float(t == a.data) for t in tt.PACKED_TASKS)
             xs, ws = zip(*[tt.train_sequence(r, a.length, tok, ANSWER_WEIGHT, 1.0, 0.0, (0, 1, 0, 0, 0),
-                                             (1, 0, 0, 0)) for _ in range(a.batch)])
+                                             packed) for _ in range(a.batch)])
         else:
             xs, ws = zip(*[tt.mqar_sequence(r, a.length, tok, ANSWER_WEIGHT, p, a.key_words, a.link,
                                             a.template)

@@ -180,7 +180,8 @@ MQAR_TEMPLATES = ("list", "sentence", "question")
 
 
 TASK_WEIGHTS = (0.22, 0.3, 0.18, 0.15, 0.15)  # passkey, multikey, twohop, docqa, longanswer
-PACKED_WEIGHTS = (0.45, 0.2, 0.2, 0.15)  # packed contexts: multikey, twohop, longanswer, docqa
+PACKED_TASKS = ("multikey", "twohop", "longanswer", "docqa")  # the tasks a packed context can hold
+PACKED_WEIGHTS = (0.45, 0.2, 0.2, 0.15)  # their weights, in PACKED_TASKS' order
 
 
 def train_sequence(r: random.Random, L: int, tok, answer_weight: float, dense: float = 0.0,
@@ -200,7 +201,7 @@ def train_sequence(r: random.Random, L: int, tok, answer_weight: float, dense: f
     task = r.choices(T.TASKS, weights=task_weights)[0]
     packed = r.random() < dense
     if packed:
-        task = r.choices(("multikey", "twohop", "longanswer", "docqa"), weights=packed_weights)[0]
+        task = r.choices(PACKED_TASKS, weights=packed_weights)[0]
     frac = r.uniform(0.3, 0.5) if packed else r.uniform(0.45, 0.85)
     depth = r.random()
     seed = r.randrange(10 ** 7, 2 ** 31)
@@ -686,7 +687,7 @@ def main(argv=None):
                 heldout = float(np.mean([rec["eval"]["passkey"], rec["eval"]["multikey"]]))
 
     def save():
-        if mngr is None:
+        if mngr is None or mngr.latest_step() == step:  # already saved at this step (orbax refuses twice)
             return
         st = {"params": params, "opt_state": opt_state, "step": np.asarray(step, np.int64), "elapsed": np.asarray(elapsed, np.float64)}
         mngr.save(step, args=ocp.args.StandardSave(st), force=True)

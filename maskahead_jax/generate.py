@@ -96,9 +96,14 @@ def _probe_mass(params, cfg: ModelConfig, policy, cache, x0, start, active, padd
 def _evict_during_prefill(params, cfg: ModelConfig, policy, cache, padded, plen, over, capacity):
     """Bounded prefill: after a chunk is stored, probe with the question (the prompt's last
     `question_tokens` tokens at their real positions) plus mask blocks after the prompt, and
-    evict rows over capacity down to C(seen), pinning the question span if asked."""
-    b = plen.shape[0]
+    evict rows over capacity down to C(seen), pinning the question span if asked. A policy whose
+    ranking reads no queries (`needs_probe` false) is evicted without the probe forward."""
+    keep = jnp.where(over, jnp.minimum(cache.length, policy.capacity(cache.seen)), cache.length)
     q, bs = policy.question_tokens, cfg.block_size
+    pinned = (cache.pos >= (plen - q)[None, :, None, None]) if policy.pin_question else None
+    if not policy.needs_probe:  # a ranking that reads no queries (StreamingLLM): no probe forward
+        return policy.evict(cache, None, None, keep, capacity, pinned=pinned)
+    b = plen.shape[0]
     m = policy.lookahead_blocks
     qpos = jnp.maximum(plen[:, None] - q + jnp.arange(q)[None], 0).astype(jnp.int32)
     qtok = jnp.take_along_axis(padded, qpos, axis=1)
@@ -107,8 +112,6 @@ def _evict_during_prefill(params, cfg: ModelConfig, policy, cache, padded, plen,
     pos = jnp.concatenate([qpos, mpos], 1)
     out = model_step(params, cfg, toks, pos, _mask_all(b, toks.shape[1]),
                      _dense_segments(cache, cfg.num_layers), jnp.ones(toks.shape, bool))
-    keep = jnp.where(over, jnp.minimum(cache.length, policy.capacity(cache.seen)), cache.length)
-    pinned = (cache.pos >= (plen - q)[None, :, None, None]) if policy.pin_question else None
     return policy.evict(cache, jnp.zeros_like(out.mass), out.mass * m, keep, capacity, pinned=pinned)
 
 

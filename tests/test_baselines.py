@@ -14,7 +14,7 @@ from maskahead_jax.policies.baselines import (CAOTE, H2O, HERALD, SnapKV, Stream
                                               max_pool_1d)
 from tiny import tiny_model
 
-NAMES = ["streaming", "h2o", "caote", "snapkv", "herald"]
+NAMES = ["streaming", "streaming-bounded", "h2o", "caote", "snapkv", "herald"]
 FULL = dict(capacity_pct=100, capacity_floor=4096, topk_pct=100, topk_floor=4096, dense_layers=1)
 SMALL = dict(capacity_pct=10, capacity_floor=24, topk_pct=5, topk_floor=16, dense_layers=1, sinks=2,
              recent=8, interval_blocks=2, lookahead_blocks=3)
@@ -96,6 +96,25 @@ def test_streaming_keeps_exactly_sinks_and_newest():
     mass = _row(np.random.RandomState(1).rand(n))  # ignored
     out = pol.evict(c, mass, None, jnp.asarray([9]), 9)
     assert _kept(out) == [0, 1, 2] + list(range(14, 20))
+
+
+def test_streaming_bounded_evicts_while_prefilling(model):
+    """After a prefill chunk the lane keeps exactly its sinks and newest entries, with no probe
+    forward (no params are read); end to end, the peak stays near C + one chunk while
+    `streaming` first holds the whole prompt."""
+    from maskahead_jax.generate import _evict_during_prefill
+
+    n = 20
+    c = _hand_cache(np.random.RandomState(0).randn(n, 4), list(range(n)))
+    pol = make("streaming-bounded", capacity_floor=9, sinks=3, recent=2)
+    out = _evict_during_prefill(None, model.config, pol, c, None, jnp.asarray([n]), jnp.asarray([True]), n)
+    assert _kept(out) == [0, 1, 2] + list(range(14, 20))
+
+    prompts = _prompts((150, 97), seed=3)
+    bounded = generate(model, prompts, GC, policy=make("streaming-bounded", **SMALL))
+    plain = generate(model, prompts, GC, policy=make("streaming", **SMALL))
+    assert max(bounded.stats["kv_bytes_peak"]) < 0.6 * max(plain.stats["kv_bytes_peak"])
+    assert bounded.tokens != plain.tokens  # the first block no longer reads the prompt's middle
 
 
 def test_h2o_keeps_highest_accumulated_mass():

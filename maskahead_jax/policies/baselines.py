@@ -5,6 +5,8 @@ its schedule (every `interval_blocks` blocks, deferred to step 0 of the next blo
 compaction; only the keep ranking differs.
 
   streaming  StreamingLLM: sinks + the most recent entries (score = position)
+  streaming-bounded  StreamingLLM as it streams: the same ranking also applied after every
+             prefill chunk, so the middle of the prompt is gone before the question is read
   h2o        H2O: per-entry accumulated step-0 attention mass (EMA decay 1), kept in cache.acc
   caote      H2O + CAOTE: h_i/(1-h_i) * ||v_i - o||, h = accumulated mass normalised per lane,
              o = sum h_i v_i
@@ -23,7 +25,7 @@ import jax.numpy as jnp
 
 from ..cache import KVCache
 from . import register
-from .maskahead import MaskAhead, PolicyError
+from .maskahead import BoundedPrefillMaskAhead, MaskAhead, PolicyError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +38,18 @@ class StreamingLLM(MaskAhead):
     def eviction_scores(self, cache: KVCache, mass0, probe_mass):
         # newest first; sinks / the recent window are forced by MaskAhead.forced
         return cache.pos.astype(jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundedPrefillStreamingLLM(BoundedPrefillMaskAhead, StreamingLLM):
+    """StreamingLLM that evicts during chunked prefill too, as StreamingLLM itself does (it never
+    holds more than its sinks and window). `streaming` defers the prompt's compression to step 0
+    of the first block, as the released MaskAhead code does for every baseline, so a one-token
+    answer committed at that step still reads the whole prompt; this one shows what keeping the
+    recent window alone loses. No probe forward (the ranking is by position), nothing pinned."""
+
+    name = "streaming-bounded"
+    pin_question: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +161,7 @@ class HERALD(MaskAhead):
 
 
 register("streaming", lambda **kw: StreamingLLM(**kw))
+register("streaming-bounded", lambda **kw: BoundedPrefillStreamingLLM(**kw))
 register("h2o", lambda **kw: H2O(**kw))
 register("caote", lambda **kw: CAOTE(**kw))
 register("snapkv", lambda **kw: SnapKV(**kw))
