@@ -64,9 +64,10 @@ def make_loss(cfg, L: int, block: int, mask_answers: bool):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pairs", default="2:4", help="LO:HI key-value pairs per sequence (train_testbed --mqar-pairs)")
-    ap.add_argument("--data", choices=("mqar",) + tt.PACKED_TASKS, default="mqar",
-                    help="mqar: one-token keys (train_testbed.mqar_sequence); a task name: that task's "
-                         "fact-packed contexts with extra questions (train_testbed.train_sequence, packed)")
+    ap.add_argument("--data", default="mqar",
+                    help="mqar: one-token keys (train_testbed.mqar_sequence); task names (comma list of "
+                         f"{', '.join(tt.PACKED_TASKS)}): those tasks' fact-packed contexts with extra "
+                         "questions, drawn with equal weights (train_testbed.train_sequence, packed)")
     ap.add_argument("--key-words", type=int, choices=(1, 2), default=1, help="mqar: words per key")
     ap.add_argument("--link", default="", help='mqar: a word between key and value, e.g. "is"')
     ap.add_argument("--template", choices=tt.MQAR_TEMPLATES, default="list",
@@ -96,6 +97,11 @@ def main(argv=None):
     if a.block > 1 and not a.mask_answers:
         raise SystemExit("--block > 1 needs --mask-answers: otherwise an answer is read by its own predictor")
     pairs = tt.parse_pairs(a.pairs)
+    data = a.data.split(",")
+    bad = [d for d in data if d not in tt.PACKED_TASKS] if data != ["mqar"] else []
+    if bad:
+        raise SystemExit(f"bad --data {a.data!r}: unknown {bad}; use mqar or tasks of {tt.PACKED_TASKS}")
+    packed = tuple(float(t in data) for t in tt.PACKED_TASKS)
     tok = T.build_tokenizer()
     margs = argparse.Namespace(layout="qwen3", d_model=a.d_model, heads=a.heads, kv_heads=a.kv_heads,
                                ffn=a.ffn or 2 * a.d_model, layers=a.layers, rope_theta=1e4)
@@ -118,8 +124,7 @@ def main(argv=None):
     t0, n, accs, first_half = time.time(), 0, [], None
     while time.time() - t0 < 60 * a.minutes and (not a.max_steps or n < a.max_steps):
         p = None if (a.switch and n >= a.switch) else pairs
-        if a.data != "mqar":
-            packed = tuple(float(t == a.data) for t in tt.PACKED_TASKS)
+        if data != ["mqar"]:
             xs, ws = zip(*[tt.train_sequence(r, a.length, tok, ANSWER_WEIGHT, 1.0, 0.0, (0, 1, 0, 0, 0),
                                              packed) for _ in range(a.batch)])
         else:

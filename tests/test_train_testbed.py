@@ -243,8 +243,12 @@ def test_recall_control_runs_and_refuses_a_leaking_layout(capsys, tmp_path):
     assert model.config.hidden_size == 32 and model.config.num_layers == 2
     assert 0.0 <= rc.main(["--data", "multikey", "--max-steps", "1", "--batch", "2", "--d-model", "32",
                            "--length", "128"]) <= 1.0
+    assert 0.0 <= rc.main(["--data", "longanswer,docqa", "--max-steps", "1", "--batch", "2", "--d-model", "32",
+                           "--length", "128"]) <= 1.0
     with pytest.raises(SystemExit, match="--mask-answers"):
         rc.main(["--block", "32"])
+    with pytest.raises(SystemExit, match="unknown \\['nope'\\]"):
+        rc.main(["--data", "multikey,nope"])
 
 
 def _facts_and_answers(tok, x, w):
