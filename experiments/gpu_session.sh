@@ -14,11 +14,11 @@
 # then on recall in the multi-key task's sentences with a random part of their constant phrase
 # (--template sentence; the full phrase alone blocks the lookup from forming), and then trains
 # block diffusion with shifted logits (--logits-shift) and 30% recall sequences in all three
-# templates: the CPU recipe of the shipped testbed (its card, "Stages 3-5").
+# templates: the CPU recipe of the card's "Stages 3-5".
 # TASKWARM=1 gives the starting weights a causal-LM warm-up on the packed task contexts (long
 # answer, document QA, multi-key, two-hop; recall_control.py --data ...) before block diffusion,
-# which then draws more long-answer and document-QA sequences: the card's "Stage 6" diagnosis
-# (a causal warm-up forms the long answer's copy-and-look-up, which block diffusion alone did not).
+# which then draws more long-answer and document-QA sequences: the card's "Stages 6-8" (a causal
+# warm-up forms the long answer's copy-and-look-up, which block diffusion alone did not).
 set -u
 OUT=${OUT:-/tmp/gpu_out}
 TRAIN_WALL_MIN=${TRAIN_WALL_MIN:-4.3}

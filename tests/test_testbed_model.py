@@ -7,6 +7,9 @@ from maskahead_jax import GenerationConfig, generate, load_pretrained
 from maskahead_jax import tasks as T
 
 TESTBED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "maskahead_jax", "testbed")
+# The fixed document-QA / long-answer prompts below: this export scores 0.50 / 0.94 on them, the
+# export before the card's stages 6-8 0.17 / 0.00.
+DOCQA_MIN, LONGANSWER_MIN = 0.4, 0.8
 
 
 def test_shipped_files_within_limits():
@@ -72,5 +75,22 @@ def test_retrieval_probe_on_shipped_checkpoint():
     model = load_pretrained(TESTBED, dtype="float32")
     res = probe(model.params, model.config, T.build_tokenizer(), L=128, n=8)
     assert set(res) == set(KINDS) and all(r["answers"] > 0 for r in res.values())
-    assert res["copy"]["accuracy"] > 0.3  # measured 0.49 with this export
-    assert res["mqar"]["accuracy"] > 0.8 and res["multikey_packed"]["accuracy"] > 0.8  # 0.98 / 1.00
+    assert res["copy"]["accuracy"] > 0.3  # measured 0.48 with this export (n=32)
+    assert res["mqar"]["accuracy"] > 0.8 and res["multikey_packed"]["accuracy"] > 0.8  # 0.99 / 0.97
+
+
+def test_shipped_checkpoint_answers_fixed_docqa_and_longanswer():
+    """Document QA and the long answer (the card's stages 6-8): fixed held-out prompts at 512
+    tokens, dense cache. Document QA must name the asked entity's attribute (QA F1 of the first
+    sentence), the long answer must list most stations' codes in the asked order."""
+    model = load_pretrained(TESTBED)
+    tok = T.get_tokenizer(os.path.join(TESTBED, "tokenizer.json"))
+    cases = [("docqa", 0.25, 0), ("docqa", 0.5, 1), ("docqa", 0.75, 2), ("longanswer", 0.25, 0),
+             ("longanswer", 0.75, 1)]
+    scores = {}
+    for task, depth, seed in cases:
+        e = T.generate(task, 512, depth, seed, tok)
+        out = generate(model, [tok.encode(e.prompt).ids], GenerationConfig(max_new_tokens=192))
+        scores.setdefault(task, []).append(e.score(tok.decode(out.tokens[0])))
+    assert np.mean(scores["docqa"]) >= DOCQA_MIN, scores
+    assert np.mean(scores["longanswer"]) >= LONGANSWER_MIN, scores
