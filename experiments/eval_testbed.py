@@ -30,9 +30,8 @@ sys.path.insert(0, ROOT)
 from experiments.train_testbed import greedy_answers, make_decoder  # noqa: E402
 from maskahead_jax import GenerationConfig, generate, load_pretrained  # noqa: E402
 from maskahead_jax import tasks as T  # noqa: E402
+from maskahead_jax.evaluation.datasets import TESTBED_MAX_NEW as MAX_NEW  # noqa: E402  (the suite's budgets)
 from maskahead_jax.evaluation.policies import make_policy, parse_policy_kw  # noqa: E402
-
-MAX_NEW = {"passkey": 16, "multikey": 16, "twohop": 16, "docqa": 16, "longanswer": 160}
 
 
 def main(argv=None):
