@@ -17,7 +17,7 @@
 # templates: the CPU recipe of the card's "Stages 3-5".
 # TASKWARM=1 gives the starting weights a causal-LM warm-up on the packed task contexts (long
 # answer, document QA, multi-key, two-hop; recall_control.py --data ...) before block diffusion,
-# which then draws more long-answer and document-QA sequences: the card's "Stages 6-8" (a causal
+# which then draws more long-answer and document-QA sequences: the card's "Stages 6-9" (a causal
 # warm-up forms the long answer's copy-and-look-up, which block diffusion alone did not).
 set -u
 OUT=${OUT:-/tmp/gpu_out}
