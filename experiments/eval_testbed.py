@@ -50,6 +50,8 @@ def main(argv=None):
     ap.add_argument("--policy", default="dense", help="cached engine: a policy name (dense, streaming, ...)")
     ap.add_argument("--capacity", type=float, default=10.0, help="cached engine: capacity %% for --policy")
     ap.add_argument("--policy-kw", default="", help="policy knobs key=value,... (e.g. capacity_floor=64)")
+    ap.add_argument("--show", type=int, default=0,
+                    help="print the first N predictions of every cell (reference | prediction) to stderr")
     ap.add_argument("--update-readme", action="store_true",
                     help="write the results into the '## Measured scores' section of the model's README.md")
     args = ap.parse_args(argv)
@@ -80,7 +82,10 @@ def main(argv=None):
                     else:
                         outs = generate(model, ids, GenerationConfig(max_new_tokens=MAX_NEW[task],
                                                                      threshold=args.threshold), policy).tokens
-                    scores += [e.score(tok.decode(o)) for e, o in zip(chunk, outs)]
+                    texts = [tok.decode(o) for o in outs]
+                    scores += [e.score(t) for e, t in zip(chunk, texts)]
+                    for e, t in list(zip(chunk, texts))[:max(0, args.show - b)]:
+                        print(f"  {e.target!r} | {t!r}", file=sys.stderr)
                 out["cells"][f"{task}/{n}/{d}"] = float(np.mean(scores))
                 tot += scores
                 print(f"{task} len={n} depth={d}: {np.mean(scores):.3f} ({time.time() - t0:.0f}s)",

@@ -225,7 +225,7 @@ def train_sequence(r: random.Random, L: int, tok, answer_weight: float, dense: f
         queries = list(ex.meta.get("queries", []))
     ids = [T.BOS_ID] + _ids(tok, ex.prompt)
     w = [1.0] * len(ids)
-    a = _ids(tok, ex.answer)
+    a = _ids(tok, ex.target)
     ids += a
     w += [answer_weight] * len(a)
     # extra questions (MQAR-style): recall other facts of the same context

@@ -44,6 +44,8 @@ def test_scorer_and_length(task, n, tok):
     assert "[UNK]" not in tok.encode(ex.prompt).tokens
     assert all(not t.startswith("##") or t[2:].isdigit() for t in tok.encode(ex.prompt).tokens)
     assert ex.score(ex.answer) == 1.0
+    assert ex.score(ex.target) == 1.0  # what training teaches scores full marks
+    assert "[UNK]" not in tok.encode(ex.target).tokens
     assert ex.score("") == 0.0
     assert ex.score("1 2 3 nothing useful") < 1.0
 
@@ -86,6 +88,27 @@ def test_twohop_mirrored(tok):
     i2 = p.index(f"unit {unit} holds code {ex.answer}")
     assert i1 < len(p) * 0.4 and i2 > len(p) * 0.6
     assert p.count("holds code") == 9  # target + 8 decoys
+
+
+def test_twohop_chained_answer(tok):
+    """The answer names the unit (hop 1), then its code (hop 2); only the code is scored."""
+    import re
+    ex = T.make_twohop(1024, 0.5, 5, tok)
+    unit, code = ex.meta["unit"], ex.answer
+    assert ex.prompt.endswith(f"case {ex.meta['case']} is assigned to unit")
+    assert ex.target == f"{unit} . unit {unit} holds code {code}"
+    assert ex.score(ex.target) == 1.0
+    # the right unit with another unit's code, or a decoy's whole chain, scores nothing
+    decoy = next(c for q, c in ex.meta["queries"] if not c.startswith(unit + " "))
+    decoy_code = re.search(r"\d+", decoy).group(0)
+    assert ex.score(f"{unit} . unit {unit} holds code {decoy_code}") == 0.0
+    assert ex.score(decoy) == 0.0
+    # every query's chain is the context's own facts
+    for q, c in ex.meta["queries"]:
+        case = q.split("case ")[1].split(" ?")[0]
+        u, k = c.split(" . unit ")[0], c.split("holds code ")[1]
+        assert f"case {case} is assigned to unit {u} ." in ex.prompt
+        assert f"unit {u} holds code {k} ." in ex.prompt
 
 
 def test_filler_varied():

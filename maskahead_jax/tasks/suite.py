@@ -36,6 +36,14 @@ class Example:
     n_tokens: int = 0  # actual prompt tokens (without [BOS])
     needle_token_pos: int = -1  # token offset of the (first) needle in the prompt
     meta: dict = dataclasses.field(default_factory=dict)
+    # what a model should write after the prompt, when it is more than the scored reference
+    # (two-hop spells the unit out before the code); empty means `answer` itself
+    completion: str = ""
+
+    @property
+    def target(self) -> str:
+        """The text a model is trained to write after the prompt."""
+        return self.completion or self.answer
 
     def score(self, prediction: str) -> float:
         return score(self, prediction)
@@ -194,7 +202,23 @@ def make_multikey(n_tokens: int, depth: float, seed: int, tokenizer=None, n_keys
                    {"key": keys[0], "n_keys": n_keys, "queries": qa})
 
 
+def twohop_question(case: str) -> str:
+    """The two-hop question about `case`; its last words start the first hop's answer."""
+    return f"which code belongs to case {case} ? case {case} is assigned to unit"
+
+
+def twohop_completion(unit: str, code: str) -> str:
+    """The worked answer: the unit (hop 1), then the unit's code (hop 2), which is scored."""
+    return f"{unit} . unit {unit} holds code {code}"
+
+
 def make_twohop(n_tokens: int, depth: float, seed: int, tokenizer=None, n_decoys: int = 8) -> Example:
+    """niah_hard: "case C is assigned to unit U" and "unit U holds code K" at mirrored depths.
+
+    The answer is written as a chain (`twohop_completion`): the unit first, then its code, so
+    each hop is one lookup and the second reads the first from the answer itself (the way a
+    block-diffusion model resolves it across denoising steps). The score is exact match of the
+    code, the first number of the prediction (units are words)."""
     tok = tokenizer or get_tokenizer()
     r = random.Random(f"twohop:{seed}:{n_tokens}:{depth}")
     cases = _distinct(r, lambda r: f"{r.choice(L.FIRST)} {r.choice(L.LAST)}", n_decoys + 1)
@@ -205,10 +229,12 @@ def make_twohop(n_tokens: int, depth: float, seed: int, tokenizer=None, n_decoys
     for c, u, k in zip(cases[1:], units[1:], codes[1:]):
         needles.append((r.random(), f"case {c} is assigned to unit {u} ."))
         needles.append((r.random(), f"unit {u} holds code {k} ."))
-    question = f"which code belongs to case {cases[0]} ? the code is"
-    qa = [(f"which code belongs to case {c} ? the code is", k) for c, k in zip(cases, codes)]
-    return _finish("twohop", r, n_tokens, depth, seed, tok, needles, question, codes[0],
-                   {"case": cases[0], "unit": units[0], "queries": qa})
+    question = twohop_question(cases[0])
+    qa = [(twohop_question(c), twohop_completion(u, k)) for c, u, k in zip(cases, units, codes)]
+    ex = _finish("twohop", r, n_tokens, depth, seed, tok, needles, question, codes[0],
+                 {"case": cases[0], "unit": units[0], "queries": qa})
+    ex.completion = twohop_completion(units[0], codes[0])
+    return ex
 
 
 _ATTRS = {
