@@ -73,7 +73,7 @@ def main(argv=None):
             for d in [float(x) for x in args.depths.split(",")]:
                 t0 = time.time()
                 exs = [T.generate(task, n, d, args.seed + i, tok) for i in range(args.n)]
-                scores = []
+                scores, hop1 = [], []
                 for b in range(0, len(exs), args.batch):
                     chunk = exs[b:b + args.batch]
                     ids = [tok.encode(e.prompt).ids for e in chunk]
@@ -84,11 +84,16 @@ def main(argv=None):
                                                                      threshold=args.threshold), policy).tokens
                     texts = [tok.decode(o) for o in outs]
                     scores += [e.score(t) for e, t in zip(chunk, texts)]
+                    if task == "twohop":  # did the chain name the right unit (the first hop)?
+                        hop1 += [t.split(".")[0].split() == e.meta["unit"].split() for e, t in zip(chunk, texts)]
                     for e, t in list(zip(chunk, texts))[:max(0, args.show - b)]:
                         print(f"  {e.target!r} | {t!r}", file=sys.stderr)
                 out["cells"][f"{task}/{n}/{d}"] = float(np.mean(scores))
+                if hop1:
+                    out.setdefault("twohop_first_hop", {})[f"{n}/{d}"] = float(np.mean(hop1))
                 tot += scores
-                print(f"{task} len={n} depth={d}: {np.mean(scores):.3f} ({time.time() - t0:.0f}s)",
+                print(f"{task} len={n} depth={d}: {np.mean(scores):.3f}"
+                      + (f" (first hop {np.mean(hop1):.3f})" if hop1 else "") + f" ({time.time() - t0:.0f}s)",
                       file=sys.stderr, flush=True)
         out["summary"][task] = float(np.mean(tot))
     print(json.dumps(out, indent=1))
