@@ -84,8 +84,8 @@ def main(argv=None):
                                                                      threshold=args.threshold), policy).tokens
                     texts = [tok.decode(o) for o in outs]
                     scores += [e.score(t) for e, t in zip(chunk, texts)]
-                    if task == "twohop":  # did the chain name the right unit (the first hop)?
-                        hop1 += [t.split(".")[0].split() == e.meta["unit"].split() for e, t in zip(chunk, texts)]
+                    if task == "twohop":
+                        hop1 += [T.twohop_first_hop(e, t) for e, t in zip(chunk, texts)]
                     for e, t in list(zip(chunk, texts))[:max(0, args.show - b)]:
                         print(f"  {e.target!r} | {t!r}", file=sys.stderr)
                 out["cells"][f"{task}/{n}/{d}"] = float(np.mean(scores))

@@ -2,6 +2,7 @@
 import os
 
 import numpy as np
+import pytest
 
 from maskahead_jax import GenerationConfig, generate, load_pretrained
 from maskahead_jax import tasks as T
@@ -11,6 +12,22 @@ TESTBED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # them (stage 9's 0.67 / 0.97, stage 8's 0.50 / 0.94; the export before the card's stages 6-9
 # 0.17 / 0.00). The long answer lost ground in stage 10 (card, "Status").
 DOCQA_MIN, LONGANSWER_MIN = 0.4, 0.5
+FIVE_DEPTHS = ((0.0, 0), (0.25, 1), (0.5, 2), (0.75, 3), (1.0, 4))  # (depth, seed) per fixed prompt
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    """The shipped model and its tokenizer, loaded once for this module."""
+    return load_pretrained(TESTBED), T.get_tokenizer(os.path.join(TESTBED, "tokenizer.json"))
+
+
+def answer_fixed(shipped, task, n_tokens, cells, max_new):
+    """Fixed held-out prompts of `task` (one per (depth, seed)), answered in one dense batch:
+    the examples and the decoded predictions."""
+    model, tok = shipped
+    exs = [T.generate(task, n_tokens, depth, seed, tok) for depth, seed in cells]
+    out = generate(model, [tok.encode(e.prompt).ids for e in exs], GenerationConfig(max_new_tokens=max_new))
+    return exs, [tok.decode(t) for t in out.tokens]
 
 
 def test_shipped_files_within_limits():
@@ -40,41 +57,29 @@ def test_shipped_checkpoint_loads_through_converter():
     assert len(out.tokens[0]) >= 1 and T.MASK_ID not in out.tokens[0]
 
 
-def test_shipped_checkpoint_answers_fixed_passkey():
+def test_shipped_checkpoint_answers_fixed_passkey(shipped):
     """A regression check of the artifact and the engine: fixed held-out passkey prompts at 200
     tokens (inside the length the checkpoint was trained at; its measured accuracy per length
     is in the model card), dense cache, the config's own decoding."""
-    model = load_pretrained(TESTBED)
-    tok = T.get_tokenizer(os.path.join(TESTBED, "tokenizer.json"))
-    exs = [T.generate("passkey", 200, depth, seed, tok) for depth, seed in ((0.5, 7), (0.25, 11))]
-    out = generate(model, [tok.encode(e.prompt).ids for e in exs], GenerationConfig(max_new_tokens=32))
-    for e, t in zip(exs, out.tokens):
-        assert e.score(tok.decode(t)) == 1.0, (e.answer, tok.decode(t))
+    exs, texts = answer_fixed(shipped, "passkey", 200, ((0.5, 7), (0.25, 11)), 32)
+    for e, t in zip(exs, texts):
+        assert e.score(t) == 1.0, (e.answer, t)
 
 
-def test_shipped_checkpoint_answers_fixed_multikey():
+def test_shipped_checkpoint_answers_fixed_multikey(shipped):
     """The key -> value lookup: fixed held-out multi-key prompts at 512 tokens (8 keys, the asked
     one at depth 0 / 0.25 / 0.5 / 0.75 / 1), dense cache; the model must return the asked key's
     value, not another key's (stage 2's export answered these at chance; stage 10's gets all 5)."""
-    model = load_pretrained(TESTBED)
-    tok = T.get_tokenizer(os.path.join(TESTBED, "tokenizer.json"))
-    exs = [T.generate("multikey", 512, depth, seed, tok)
-           for depth, seed in ((0.0, 0), (0.25, 1), (0.5, 2), (0.75, 3), (1.0, 4))]
-    out = generate(model, [tok.encode(e.prompt).ids for e in exs], GenerationConfig(max_new_tokens=16))
-    for e, t in zip(exs, out.tokens):
-        assert e.score(tok.decode(t)) == 1.0, (e.answer, tok.decode(t))
+    exs, texts = answer_fixed(shipped, "multikey", 512, FIVE_DEPTHS, 16)
+    for e, t in zip(exs, texts):
+        assert e.score(t) == 1.0, (e.answer, t)
 
 
-def test_shipped_checkpoint_chains_fixed_twohop():
+def test_shipped_checkpoint_chains_fixed_twohop(shipped):
     """Two-hop as a written chain (case -> unit, then unit -> code; stage 10): fixed held-out
     prompts at 512 tokens with 8 decoy pairs, dense cache. This export gets 4 of these 5 (the
     card: 0.82 over 100 at 512); the previous one, which never chained, got none."""
-    model = load_pretrained(TESTBED)
-    tok = T.get_tokenizer(os.path.join(TESTBED, "tokenizer.json"))
-    exs = [T.generate("twohop", 512, depth, seed, tok)
-           for depth, seed in ((0.0, 0), (0.25, 1), (0.5, 2), (0.75, 3), (1.0, 4))]
-    out = generate(model, [tok.encode(e.prompt).ids for e in exs], GenerationConfig(max_new_tokens=16))
-    texts = [tok.decode(t) for t in out.tokens]
+    exs, texts = answer_fixed(shipped, "twohop", 512, FIVE_DEPTHS, 16)
     assert sum(e.score(t) for e, t in zip(exs, texts)) >= 4, [(e.target, t) for e, t in zip(exs, texts)]
 
 
@@ -94,21 +99,17 @@ def test_retrieval_probe_on_shipped_checkpoint():
     assert res["mqar"]["accuracy"] > 0.8 and res["multikey_packed"]["accuracy"] > 0.8  # 0.96 / 0.97 (n=32)
 
 
-def test_shipped_checkpoint_answers_fixed_docqa_and_longanswer():
+def test_shipped_checkpoint_answers_fixed_docqa_and_longanswer(shipped):
     """Document QA and the long answer (the card's stages 6-9): fixed held-out prompts at 512
     tokens, dense cache, one batch per task with the suite's answer budgets. Document QA must
     name the asked entity's attribute (QA F1 of the first sentence), the long answer must list
     most stations' codes in the asked order."""
     from maskahead_jax.evaluation.datasets import TESTBED_MAX_NEW
 
-    model = load_pretrained(TESTBED)
-    tok = T.get_tokenizer(os.path.join(TESTBED, "tokenizer.json"))
     cases = {"docqa": ((0.25, 0), (0.5, 1), (0.75, 2)), "longanswer": ((0.25, 0), (0.75, 1))}
     scores = {}
     for task, cells in cases.items():
-        exs = [T.generate(task, 512, depth, seed, tok) for depth, seed in cells]
-        out = generate(model, [tok.encode(e.prompt).ids for e in exs],
-                       GenerationConfig(max_new_tokens=TESTBED_MAX_NEW[task]))
-        scores[task] = [e.score(tok.decode(t)) for e, t in zip(exs, out.tokens)]
+        exs, texts = answer_fixed(shipped, task, 512, cells, TESTBED_MAX_NEW[task])
+        scores[task] = [e.score(t) for e, t in zip(exs, texts)]
     assert np.mean(scores["docqa"]) >= DOCQA_MIN, scores
     assert np.mean(scores["longanswer"]) >= LONGANSWER_MIN, scores

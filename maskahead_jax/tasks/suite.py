@@ -137,13 +137,14 @@ def _digits(r: random.Random, n: int) -> str:
     return str(r.randrange(1, 10)) + "".join(str(r.randrange(10)) for _ in range(n - 1))
 
 
-def _finish(task, r, n_tokens, depth, seed, tok, needles, question, answer, meta, needle_idx=0):
+def _finish(task, r, n_tokens, depth, seed, tok, needles, question, answer, meta, needle_idx=0,
+            completion=""):
     q_tok = count_tokens(question, tok)
     ctx, offs = _assemble(r, n_tokens - q_tok, needles, tok)
     prompt = ctx + " " + question
     return Example(task=task, prompt=prompt, answer=answer, context_length=n_tokens, depth=depth,
                    seed=seed, n_tokens=count_tokens(prompt, tok),
-                   needle_token_pos=offs[needle_idx] if offs else -1, meta=meta)
+                   needle_token_pos=offs[needle_idx] if offs else -1, meta=meta, completion=completion)
 
 
 # ------------------------------------------------------------------------------ tasks
@@ -231,10 +232,14 @@ def make_twohop(n_tokens: int, depth: float, seed: int, tokenizer=None, n_decoys
         needles.append((r.random(), f"unit {u} holds code {k} ."))
     question = twohop_question(cases[0])
     qa = [(twohop_question(c), twohop_completion(u, k)) for c, u, k in zip(cases, units, codes)]
-    ex = _finish("twohop", r, n_tokens, depth, seed, tok, needles, question, codes[0],
-                 {"case": cases[0], "unit": units[0], "queries": qa})
-    ex.completion = twohop_completion(units[0], codes[0])
-    return ex
+    return _finish("twohop", r, n_tokens, depth, seed, tok, needles, question, codes[0],
+                   {"case": cases[0], "unit": units[0], "queries": qa},
+                   completion=twohop_completion(units[0], codes[0]))
+
+
+def twohop_first_hop(ex: Example, prediction: str) -> bool:
+    """Did the chain name the asked case's unit (its first hop)? A diagnostic beside the score."""
+    return prediction.split(".")[0].split() == ex.meta["unit"].split()
 
 
 _ATTRS = {
