@@ -406,25 +406,19 @@ def greedy_answers(params, cfg, pred, prompts_ids, max_new: int, threshold: floa
     return outs
 
 
-def _first_number(text: str) -> str:
-    for w in text.replace(".", " ").replace(",", " ").split():
-        if w.isdigit():
-            return w
-    return ""
-
-
 def heldout_eval(params, cfg, pred, tok, L: int, n: int = 16, tasks=("passkey", "multikey", "twohop")):
     res = {}
     ctx = L - 24
     for task in tasks:
         exs = [T.generate(task, ctx, (i % 5) / 4, 900_000 + i, tok) for i in range(n)]
         prompts = [tok.encode(e.prompt).ids for e in exs]
-        outs = greedy_answers(params, cfg, pred, prompts, 10, total=L + 64)
+        # 16 tokens: room for two-hop's chained answer ("U . unit U holds code K", ~9 tokens)
+        outs = greedy_answers(params, cfg, pred, prompts, 16, total=L + 64)
         texts = [tok.decode(o) for o in outs]
         res[task] = float(np.mean([e.score(t) for e, t in zip(exs, texts)]))
         # how often the answer is *some* number of the context: near 1 with exact match at chance
         # means the model retrieves a value but does not match the key (multikey, twohop)
-        firsts = [_first_number(t) for t in texts]
+        firsts = [T.first_number(t) for t in texts]
         res[task + "_from_context"] = round(float(np.mean([
             bool(f) and f" {f} " in f" {e.prompt} " for e, f in zip(exs, firsts)])), 3)
     return res

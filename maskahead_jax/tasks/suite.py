@@ -312,14 +312,15 @@ def make_suite(tasks=TASKS, lengths=(512, 1024, 2048, 4096), depths=(0.0, 0.25, 
 
 
 # ------------------------------------------------------------------------------ scoring
-def _first_number(pred: str) -> Optional[str]:
+def first_number(pred: str) -> Optional[str]:
+    """The first run of digits in a prediction (None if it has none): what exact match compares."""
     m = re.search(r"\d+", pred)
     return m.group(0) if m else None
 
 
 def score(ex: Example, prediction: str) -> float:
     if ex.task in ("passkey", "multikey", "twohop"):
-        return float(_first_number(prediction) == ex.answer)
+        return float(first_number(prediction) == ex.answer)
     if ex.task == "docqa":
         # The answer completes a sentence and never holds a ".": the first sentence is the answer
         # (a model that goes on to ask itself the next question is not penalized for it, as
