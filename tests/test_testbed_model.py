@@ -12,8 +12,9 @@ TESTBED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # them (stage 10's 0.83 / 0.65, stage 9's 0.67 / 0.97, stage 8's 0.50 / 0.94; the export before
 # the card's stages 6-9 0.17 / 0.00).
 DOCQA_MIN, LONGANSWER_MIN = 0.6, 0.8
-# (depth, seed) per fixed prompt: two prompts at each of five depths
-TEN_PROMPTS = tuple((d, s) for s0 in (0, 5) for s, d in enumerate((0.0, 0.25, 0.5, 0.75, 1.0), start=s0))
+# (depth, seed) per fixed prompt: seeds 0-4 and 5-9, each over the five depths 0 / 0.25 / ... / 1
+FIVE_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+TEN_PROMPTS = tuple((d, first + i) for first in (0, 5) for i, d in enumerate(FIVE_DEPTHS))
 
 
 @pytest.fixture(scope="module")
