@@ -39,19 +39,17 @@ def test_shipped_files_within_limits():
         assert os.path.exists(os.path.join(TESTBED, f)), f
 
 
-def test_shipped_checkpoint_loads_through_converter():
+def test_shipped_checkpoint_loads_through_converter(shipped):
     """load_pretrained reads the shipped folder via the HF converter path; the size is in limits,
-    and the tokenizer's special ids match the config. (The check that it answers a fixed passkey
-    prompt waits for a checkpoint that has learned retrieval: see the model card's status.)"""
+    and the tokenizer's special ids match the config (the answers themselves are the tests below)."""
     import json
 
     import jax
 
-    model = load_pretrained(TESTBED)
+    model, tok = shipped
     n = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(model.params))
     assert n <= 12_000_000
     cfg = json.load(open(os.path.join(TESTBED, "config.json")))
-    tok = T.get_tokenizer(os.path.join(TESTBED, "tokenizer.json"))
     assert tok.get_vocab_size() <= cfg["vocab_size"] == model.config.vocab_size
     assert (model.config.mask_token_id, model.config.eos_token_ids[0]) == (T.MASK_ID, T.EOS_ID)
     out = generate(model, [tok.encode(T.generate("passkey", 200, 0.5, 7, tok).prompt).ids],
