@@ -46,6 +46,7 @@ import optax  # noqa: E402
 
 from maskahead_jax.config import ModelConfig  # noqa: E402
 from maskahead_jax.model.decoder import forward_hidden, lm_head  # noqa: E402
+from maskahead_jax.model.two_copy import two_copy_hidden  # noqa: E402
 from maskahead_jax.model.init import init_params  # noqa: E402
 from maskahead_jax import tasks as T  # noqa: E402
 
@@ -180,14 +181,20 @@ MQAR_TEMPLATES = ("list", "sentence", "question")
 
 
 TASK_WEIGHTS = (0.22, 0.3, 0.18, 0.15, 0.15)  # passkey, multikey, twohop, docqa, longanswer
+PROMPT_FRAC = (0.45, 0.85)  # an unpacked context's share of the sequence (--prompt-frac)
 PACKED_TASKS = ("multikey", "twohop", "longanswer", "docqa")  # the tasks a packed context can hold
 PACKED_WEIGHTS = (0.45, 0.2, 0.2, 0.15)  # their weights, in PACKED_TASKS' order
 
 
 def train_sequence(r: random.Random, L: int, tok, answer_weight: float, dense: float = 0.0,
                    copy: float = 0.0, task_weights=TASK_WEIGHTS, packed_weights=PACKED_WEIGHTS,
-                   mqar: float = 0.0, mqar_pairs=None, mqar_templates=("list",)):
+                   mqar: float = 0.0, mqar_pairs=None, mqar_templates=("list",),
+                   prompt_frac=PROMPT_FRAC):
     """One clean training sequence of exactly L tokens and its per-token loss weights.
+
+    An unpacked needle context takes a fraction U(prompt_frac) of L (the rest: extra questions);
+    an evaluation at length n reads an n-token prompt, so a stage of length L trains prompts
+    up to prompt_frac[1] * L only.
 
     With probability `dense` the context is packed with facts (many keys, little filler) and
     followed by many questions: MQAR-style data where recall is the main source of
@@ -202,7 +209,7 @@ def train_sequence(r: random.Random, L: int, tok, answer_weight: float, dense: f
     packed = r.random() < dense
     if packed:
         task = r.choices(PACKED_TASKS, weights=packed_weights)[0]
-    frac = r.uniform(0.3, 0.5) if packed else r.uniform(0.45, 0.85)
+    frac = r.uniform(0.3, 0.5) if packed else r.uniform(*prompt_frac)
     depth = r.random()
     seed = r.randrange(10 ** 7, 2 ** 31)
     if task == "longanswer":
@@ -255,6 +262,19 @@ def _weights(text, default):
     return w
 
 
+def parse_prompt_frac(text):
+    """"LO:HI" (0 < LO <= HI < 1) -> (LO, HI); None -> PROMPT_FRAC."""
+    if not text:
+        return PROMPT_FRAC
+    try:
+        lo, hi = (float(x) for x in text.split(":"))
+    except ValueError:
+        raise SystemExit(f"bad --prompt-frac {text!r}: want LO:HI, e.g. 0.5:0.92") from None
+    if not 0 < lo <= hi < 1:
+        raise SystemExit(f"bad --prompt-frac {text!r}: need 0 < LO <= HI < 1")
+    return lo, hi
+
+
 def parse_pairs(text):
     """"LO:HI" -> (LO, HI), or None for the length-dependent default."""
     if not text:
@@ -286,7 +306,9 @@ def make_batch(step: int, seed: int, B: int, L: int, tok, args, dense: float = 0
     pairs = parse_pairs(getattr(args, "mqar_pairs", None))
     templates = parse_templates(getattr(args, "mqar_templates", None))
     xs, ws = zip(*[train_sequence(r, L, tok, args.answer_weight, dense, args.copy_prob, tw, pw,
-                                  getattr(args, "mqar_prob", 0.0), pairs, templates) for _ in range(B)])
+                                  getattr(args, "mqar_prob", 0.0), pairs, templates,
+                                  parse_prompt_frac(getattr(args, "prompt_frac", None)))
+                   for _ in range(B)])
     x0 = np.stack(xs)
     w = np.stack(ws)
     nb = L // BLOCK
@@ -318,14 +340,12 @@ def two_copy_mask(L: int) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------- training
-def two_copy_logits(params, cfg, xt, x0):
+def two_copy_logits(params, cfg, xt, x0, chunk: int = 512):
     """Logits [B, L, V] of the noisy copy x_t [B, L] in the two-copy layout: x_t block b reads
-    itself and the clean x0 [B, L] blocks < b (two_copy_mask), positions concat(arange, arange)."""
-    B, L = xt.shape
-    mask = jnp.asarray(two_copy_mask(L))  # a trace-time constant
-    pos = jnp.concatenate([jnp.arange(L), jnp.arange(L)]).astype(jnp.int32)
-    h = forward_hidden(params, cfg, jnp.concatenate([xt, x0], axis=1), jnp.broadcast_to(pos, (B, 2 * L)),
-                       mask=jnp.broadcast_to(mask, (B, 2 * L, 2 * L)))
+    itself and the clean x0 [B, L] blocks < b (two_copy_mask), positions concat(arange, arange).
+    The forward is model.two_copy_hidden (chunked, no dense 2L x 2L mask; same numbers)."""
+    L = xt.shape[1]
+    h = two_copy_hidden(params, cfg, xt, x0, chunk)
     if not cfg.logits_shift:
         return lm_head(params, cfg, h[:, :L])
     # shifted logits (Fast-dLLM v2): token p is predicted at p - 1; a block's first token from the
@@ -586,6 +606,9 @@ def main(argv=None):
     ap.add_argument("--task-weights", default=None,
                     help="sampling weights of passkey,multikey,twohop,docqa,longanswer "
                          f"(default {','.join(map(str, TASK_WEIGHTS))})")
+    ap.add_argument("--prompt-frac", default=None,
+                    help="LO:HI share of a stage's length an unpacked needle context takes "
+                         f"(default {PROMPT_FRAC[0]}:{PROMPT_FRAC[1]}; the rest holds extra questions)")
     ap.add_argument("--packed-weights", default=None,
                     help="packed contexts: weights of multikey,twohop,longanswer,docqa "
                          f"(default {','.join(map(str, PACKED_WEIGHTS))})")
@@ -613,6 +636,7 @@ def main(argv=None):
                     help="also export to --out every this many training minutes")
     ap.add_argument("--final-lengths", default="512,1024", help="held-out eval lengths after training")
     args = ap.parse_args(argv)
+    parse_prompt_frac(args.prompt_frac)  # a bad value fails here, not at the first batch
 
     import orbax.checkpoint as ocp
     from tqdm import tqdm

@@ -67,10 +67,8 @@ class StepOutput(NamedTuple):
     score: Optional[jax.Array]  # [L, B, Hkv, S]
 
 
-def attention_sublayer(p, x, cos, sin, cfg: ModelConfig, ctx, blk_mask, stat_rows=None):
-    """The attention sub-layer of one layer (pre-norm, before the residual add).
-
-    Returns (output [B, T, D], the block's keys/values [B, Hkv, T, Dh] after RoPE, stats)."""
+def project_qkv(p, x, cos, sin, cfg: ModelConfig):
+    """Pre-norm q/k/v of one layer, RoPE applied: q [B, Hkv, G, T, Dh], k/v [B, Hkv, T, Dh]."""
     b, t, _ = x.shape
     h = rms_norm(x, p["attn_norm"], cfg.rms_eps)
     q = jnp.einsum("btd,dhk->bthk", h, p["wq"])
@@ -82,9 +80,22 @@ def attention_sublayer(p, x, cos, sin, cfg: ModelConfig, ctx, blk_mask, stat_row
         q = rms_norm(q, p["q_norm"], cfg.rms_eps)
         k = rms_norm(k, p["k_norm"], cfg.rms_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    hk, g = cfg.num_kv_heads, cfg.group_size
-    qg = q.reshape(b, t, hk, g, cfg.head_dim).transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
-    kb, vb = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, Hkv, T, D]
+    qg = q.reshape(b, t, cfg.num_kv_heads, cfg.group_size, cfg.head_dim).transpose(0, 2, 3, 1, 4)
+    return qg, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+
+
+def output_projection(p, out, cfg: ModelConfig):
+    """Attention output [B, Hkv, G, T, Dh] -> [B, T, D] through wo."""
+    b, _, _, t, _ = out.shape
+    out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, cfg.num_heads, cfg.head_dim)
+    return jnp.einsum("bthk,hkd->btd", out, p["wo"])
+
+
+def attention_sublayer(p, x, cos, sin, cfg: ModelConfig, ctx, blk_mask, stat_rows=None):
+    """The attention sub-layer of one layer (pre-norm, before the residual add).
+
+    Returns (output [B, T, D], the block's keys/values [B, Hkv, T, Dh] after RoPE, stats)."""
+    qg, kb, vb = project_qkv(p, x, cos, sin, cfg)
     if ctx is None:
         out, stats = ref.attention(qg, None, None, None, kb, vb, blk_mask)
     else:
@@ -94,8 +105,7 @@ def attention_sublayer(p, x, cos, sin, cfg: ModelConfig, ctx, blk_mask, stat_row
                                                 impl=PACKED_ATTENTION_IMPL)
         else:
             out, stats = ref.attention(qg, kc, vc, valid, kb, vb, blk_mask, stat_rows)
-    out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, cfg.num_heads, cfg.head_dim)
-    return jnp.einsum("bthk,hkd->btd", out, p["wo"]), kb, vb, stats
+    return output_projection(p, out, cfg), kb, vb, stats
 
 
 def _attention_block(p, x, cos, sin, cfg: ModelConfig, ctx, blk_mask, stat_rows):

@@ -1,0 +1,88 @@
+"""The block-diffusion training forward in the two-copy layout, without a dense 2L x 2L mask.
+
+The sequence is [x_t | x_0] (noisy copy, then clean copy, positions arange(L) twice):
+x_t block b reads itself (bidirectionally) and x_0 blocks < b; x_0 is block-causal. A dense
+mask over the 2L tokens computes 4 L^2 logits of which about L^2 are read. Here each copy's
+queries are taken in chunks of `chunk` rows that score only the clean keys up to the chunk's
+end, and a noisy block scores its own 32 keys separately, with one joint softmax over both
+parts: about 2 (C + 1) / (2 C) L^2 logits for C chunks (1.2 L^2 at C = 5). Same numbers as
+`forward_hidden` with the dense two-copy mask (tests/test_two_copy.py), 2-3x faster at
+L >= 2048 on CPU.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ..config import ModelConfig
+from ..kernels.reference import NEG_INF
+from .decoder import embed, output_projection, project_qkv
+from .layers import rms_norm, rope_tables, swiglu
+
+
+def two_copy_attention(q, k, v, L: int, block: int, chunk: int):
+    """q [B, Hkv, G, 2L, D], k/v [B, Hkv, 2L, D] (rows / keys [0, L) are x_t, [L, 2L) x_0).
+
+    Returns the attention output [B, Hkv, G, 2L, D] in q's dtype."""
+    if L % block or chunk % block:
+        raise ValueError(f"L ({L}) and chunk ({chunk}) must be multiples of the block ({block})")
+    bsz, hk, g, _, d = q.shape
+    scale = 1.0 / jnp.sqrt(jnp.float32(d))
+    qn, qc = q[..., :L, :], q[..., L:, :]
+    kn, kc = k[..., :L, :], k[..., L:, :]
+    vn, vc = v[..., :L, :], v[..., L:, :]
+    nb = L // block
+    # x_t's own-block logits: [B, Hkv, G, nb, block (query), block (key)]
+    own = jnp.einsum("bhgnqd,bhnkd->bhgnqk", qn.reshape(bsz, hk, g, nb, block, d),
+                     kn.reshape(bsz, hk, nb, block, d), preferred_element_type=jnp.float32) * scale
+    own = own.reshape(bsz, hk, g, L, block)
+    vn_blocks = vn.reshape(bsz, hk, nb, block, d)
+
+    def over(qrows, keys, a, e, strict):
+        lg = jnp.einsum("bhgtd,bhsd->bhgts", qrows, keys, preferred_element_type=jnp.float32) * scale
+        qb = jnp.arange(a, e) // block
+        kb = jnp.arange(keys.shape[2]) // block
+        ok = (kb[None, :] < qb[:, None]) if strict else (kb[None, :] <= qb[:, None])
+        return jnp.where(ok, lg, NEG_INF)
+
+    out_n, out_c = [], []
+    for a in range(0, L, chunk):
+        e = min(a + chunk, L)
+        # clean rows: block-causal over the clean keys [0, e)
+        p = jax.nn.softmax(over(qc[..., a:e, :], kc[..., :e, :], a, e, False), axis=-1)
+        out_c.append(jnp.einsum("bhgts,bhsd->bhgtd", p.astype(vc.dtype), vc[..., :e, :],
+                                preferred_element_type=jnp.float32))
+        # noisy rows: the clean keys of earlier blocks [0, e - block) and their own block
+        ctx = e - block
+        parts = [own[..., a:e, :]]
+        if ctx > 0:
+            parts.insert(0, over(qn[..., a:e, :], kc[..., :ctx, :], a, e, True))
+        p = jax.nn.softmax(jnp.concatenate(parts, axis=-1), axis=-1)
+        n = (e - a) // block
+        po = p[..., -block:].reshape(bsz, hk, g, n, block, block)
+        o = jnp.einsum("bhgnqk,bhnkd->bhgnqd", po.astype(vn.dtype), vn_blocks[:, :, a // block:e // block],
+                       preferred_element_type=jnp.float32).reshape(bsz, hk, g, e - a, d)
+        if ctx > 0:
+            o = o + jnp.einsum("bhgts,bhsd->bhgtd", p[..., :ctx].astype(vc.dtype), vc[..., :ctx, :],
+                               preferred_element_type=jnp.float32)
+        out_n.append(o)
+    return jnp.concatenate(out_n + out_c, axis=3).astype(q.dtype)
+
+
+def two_copy_hidden(params, cfg: ModelConfig, xt, x0, chunk: int = 512) -> jax.Array:
+    """Final hidden states [B, 2L, D] of [x_t | x_0] (x_t, x_0 [B, L] token ids)."""
+    if "moe_layers" in params:
+        raise ValueError("two_copy_hidden covers dense-MLP models (the testbed); use forward_hidden "
+                         "with train_testbed.two_copy_mask for MoE")
+    bsz, L = xt.shape
+    pos = jnp.broadcast_to(jnp.concatenate([jnp.arange(L), jnp.arange(L)]).astype(jnp.int32), (bsz, 2 * L))
+    cos, sin = rope_tables(pos, cfg.rope_dim, cfg.rope_theta)
+    chunk = min(chunk, L)
+
+    def layer(x, p):
+        q, k, v = project_qkv(p, x, cos, sin, cfg)
+        x = x + output_projection(p, two_copy_attention(q, k, v, L, cfg.block_size, chunk), cfg)
+        return x + swiglu(p["mlp"], rms_norm(x, p["mlp_norm"], cfg.rms_eps)), None
+
+    x, _ = jax.lax.scan(layer, embed(params, jnp.concatenate([xt, x0], axis=1)), params["layers"])
+    return rms_norm(x, params["final_norm"], cfg.rms_eps)
