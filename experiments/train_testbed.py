@@ -543,7 +543,8 @@ def load_init(path: str, like):
 # ----------------------------------------------------------------------------- main
 def curriculum(frac: float, stages, current: int = 0, heldout: float = 1.0, gate: float = 0.0,
                slack: float = 0.15) -> int:
-    """stages: list of (start_fraction, L, B, packed). Returns the index of the stage to train.
+    """stages: parse_stages' list of (start_fraction, ((L, B), ...), packed). Returns the index
+    of the stage to train.
 
     The next stage is entered once its start fraction is reached and the held-out accuracy of the
     current stage is at least `gate` (grow the context only after retrieval appears), or anyway
@@ -556,11 +557,26 @@ def curriculum(frac: float, stages, current: int = 0, heldout: float = 1.0, gate
 
 
 def parse_stages(s: str):
+    """"start:L:B[:packed],..." -> [(start, ((L, B), ...), packed)]. A stage may alternate
+    lengths step by step: "0.8:512|2560:8|2:0.3" trains 512 x 8 and 2560 x 2 in turn (keeps the
+    short contexts' skills while the long ones are trained)."""
     out = []
     for part in s.split(","):
         f = part.split(":")
-        out.append((float(f[0]), int(f[1]), int(f[2]), float(f[3]) if len(f) > 3 else 0.0))
+        if len(f) not in (3, 4):
+            raise SystemExit(f"bad stage {part!r}: want start:L:B[:packed]")
+        ls, bs = f[1].split("|"), f[2].split("|")
+        if len(ls) != len(bs):
+            raise SystemExit(f"bad stage {part!r}: {len(ls)} lengths but {len(bs)} batch sizes")
+        out.append((float(f[0]), tuple((int(a), int(b)) for a, b in zip(ls, bs)),
+                    float(f[3]) if len(f) > 3 else 0.0))
     return out
+
+
+def stage_shape(stage, step: int):
+    """(L, B) of a parsed stage at this step (alternating stages cycle through their lengths)."""
+    shapes = stage[1]
+    return shapes[step % len(shapes)]
 
 
 def main(argv=None):
@@ -719,7 +735,8 @@ def main(argv=None):
     while elapsed < budget and time.time() - wall_start < wall_limit:
         frac = elapsed / budget
         stage = curriculum(frac, stages, stage, heldout, args.gate)
-        _, L, B, dense = stages[stage]
+        L, B = stage_shape(stages[stage], step)
+        dense = stages[stage][2]
         if L not in steps_fns:
             steps_fns[L] = make_train_step(cfg, opt, L)
         decay = 1.0 if args.constant_lr else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac))

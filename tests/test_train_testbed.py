@@ -188,9 +188,17 @@ def test_two_copy_mask():
         np.testing.assert_array_equal(m[L + q], expect)
 
 
+def test_alternating_stage_cycles_its_lengths():
+    st = tt.parse_stages("0:1024:4:0.3,0.8:512|2560:8|2:0.3")
+    assert st[0] == (0.0, ((1024, 4),), 0.3)
+    assert [tt.stage_shape(st[1], s) for s in (10, 11, 12)] == [(512, 8), (2560, 2), (512, 8)]
+    with pytest.raises(SystemExit, match="2 lengths but 1 batch"):
+        tt.parse_stages("0:512|1024:8")
+
+
 def test_curriculum_is_gated():
     st = tt.parse_stages("0:128:32:0.8,0.3:256:16,0.6:512:8:0.4")
-    assert st[1] == (0.3, 256, 16, 0.0)
+    assert st[1] == (0.3, ((256, 16),), 0.0)
     assert tt.curriculum(0.31, st, 0, heldout=0.0, gate=0.3) == 0  # no retrieval yet: stay
     assert tt.curriculum(0.31, st, 0, heldout=0.5, gate=0.3) == 1  # retrieval: grow
     assert tt.curriculum(0.46, st, 0, heldout=0.0, gate=0.3) == 1  # slack: grow anyway
