@@ -46,7 +46,7 @@ import optax  # noqa: E402
 
 from maskahead_jax.config import ModelConfig  # noqa: E402
 from maskahead_jax.model.decoder import forward_hidden, lm_head  # noqa: E402
-from maskahead_jax.model.two_copy import two_copy_hidden  # noqa: E402
+from maskahead_jax.model.two_copy import two_copy_hidden, two_copy_mask as _two_copy_mask  # noqa: E402
 from maskahead_jax.model.init import init_params  # noqa: E402
 from maskahead_jax import tasks as T  # noqa: E402
 
@@ -330,13 +330,8 @@ def make_batch(step: int, seed: int, B: int, L: int, tok, args, dense: float = 0
 
 
 def two_copy_mask(L: int) -> np.ndarray:
-    i = np.arange(2 * L)
-    copy, blk = i // L, (i % L) // BLOCK
-    qc, kc = copy[:, None], copy[None, :]
-    qb, kb = blk[:, None], blk[None, :]
-    m = ((qc == 0) & (kc == 0) & (qb == kb)) | ((qc == 0) & (kc == 1) & (kb < qb)) | (
-        (qc == 1) & (kc == 1) & (kb <= qb))
-    return m
+    """The dense [2L, 2L] two-copy mask at the testbed's block size (model.two_copy_mask)."""
+    return _two_copy_mask(L, BLOCK)
 
 
 # ----------------------------------------------------------------------------- training
@@ -559,7 +554,8 @@ def curriculum(frac: float, stages, current: int = 0, heldout: float = 1.0, gate
 def parse_stages(s: str):
     """"start:L:B[:packed],..." -> [(start, ((L, B), ...), packed)]. A stage may alternate
     lengths step by step: "0.8:512|2560:8|2:0.3" trains 512 x 8 and 2560 x 2 in turn (keeps the
-    short contexts' skills while the long ones are trained)."""
+    short contexts' skills while the long ones are trained; with --workers each step of it has
+    another shape, so the prefetched batches are discarded and built again)."""
     out = []
     for part in s.split(","):
         f = part.split(":")

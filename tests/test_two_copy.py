@@ -7,15 +7,7 @@ import pytest
 from maskahead_jax.config import ModelConfig
 from maskahead_jax.model.decoder import forward_hidden
 from maskahead_jax.model.init import init_params
-from maskahead_jax.model.two_copy import two_copy_hidden
-
-
-def _dense_two_copy_mask(L, bs):
-    i = np.arange(2 * L)
-    noisy, blk = i < L, (i % L) // bs
-    qn, kn = noisy[:, None], noisy[None, :]
-    qb, kb = blk[:, None], blk[None, :]
-    return (qn & kn & (qb == kb)) | (qn & ~kn & (kb < qb)) | (~qn & ~kn & (kb <= qb))
+from maskahead_jax.model.two_copy import two_copy_hidden, two_copy_mask
 
 
 @pytest.mark.parametrize("chunk,qkv_bias", [(32, False), (64, True), (512, False)])
@@ -29,15 +21,16 @@ def test_two_copy_hidden_matches_dense_mask(chunk, qkv_bias):
     xt = jax.random.randint(jax.random.PRNGKey(1), (B, L), 0, 64)
     x0 = jax.random.randint(jax.random.PRNGKey(2), (B, L), 0, 64)
     pos = jnp.broadcast_to(jnp.concatenate([jnp.arange(L), jnp.arange(L)]), (B, 2 * L))
-    mask = jnp.broadcast_to(jnp.asarray(_dense_two_copy_mask(L, 16)), (B, 2 * L, 2 * L))
+    mask = jnp.broadcast_to(jnp.asarray(two_copy_mask(L, 16)), (B, 2 * L, 2 * L))
     want = forward_hidden(params, cfg, jnp.concatenate([xt, x0], 1), pos, mask=mask)
     got = two_copy_hidden(params, cfg, xt, x0, chunk=chunk)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
 
 
 def test_two_copy_rejects_ragged_chunk():
-    cfg = ModelConfig(family="sdar", layout="qwen3", vocab_size=64, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2,
-                      head_dim=16, intermediate_size=48, block_size=16, attention="block_causal")
+    cfg = ModelConfig(family="sdar", layout="qwen3", vocab_size=64, hidden_size=32, num_layers=1,
+                      num_heads=2, num_kv_heads=2, head_dim=16, intermediate_size=48, block_size=16,
+                      attention="block_causal")
     params = init_params(cfg, jax.random.PRNGKey(0))
     x = jnp.zeros((1, 32), jnp.int32)
     with pytest.raises(ValueError, match="multiples of the block"):

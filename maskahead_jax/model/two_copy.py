@@ -13,11 +13,22 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ..config import ModelConfig
 from ..kernels.reference import NEG_INF
 from .decoder import embed, output_projection, project_qkv
 from .layers import rms_norm, rope_tables, swiglu
+
+
+def two_copy_mask(L: int, block: int) -> np.ndarray:
+    """[2L, 2L] bool, the dense reference layout: query i may read key j (rows / keys [0, L) x_t,
+    [L, 2L) x_0). `forward_hidden(..., mask=)` with it gives what two_copy_hidden computes."""
+    i = np.arange(2 * L)
+    clean, blk = i >= L, (i % L) // block
+    qc, kc = clean[:, None], clean[None, :]
+    qb, kb = blk[:, None], blk[None, :]
+    return ((~qc & ~kc & (qb == kb)) | (~qc & kc & (kb < qb)) | (qc & kc & (kb <= qb)))
 
 
 def two_copy_attention(q, k, v, L: int, block: int, chunk: int):
@@ -73,7 +84,7 @@ def two_copy_hidden(params, cfg: ModelConfig, xt, x0, chunk: int = 512) -> jax.A
     """Final hidden states [B, 2L, D] of [x_t | x_0] (x_t, x_0 [B, L] token ids)."""
     if "moe_layers" in params:
         raise ValueError("two_copy_hidden covers dense-MLP models (the testbed); use forward_hidden "
-                         "with train_testbed.two_copy_mask for MoE")
+                         "with two_copy_mask for MoE")
     bsz, L = xt.shape
     pos = jnp.broadcast_to(jnp.concatenate([jnp.arange(L), jnp.arange(L)]).astype(jnp.int32), (bsz, 2 * L))
     cos, sin = rope_tables(pos, cfg.rope_dim, cfg.rope_theta)
