@@ -262,30 +262,31 @@ def _weights(text, default):
     return w
 
 
+def _parse_range(text, flag: str, cast, valid, need: str, example: str):
+    """"LO:HI" -> (cast(LO), cast(HI)), exiting with a message that names `flag` when malformed
+    or when `valid(lo, hi)` fails."""
+    try:
+        lo, hi = (cast(x) for x in text.split(":"))
+    except ValueError:
+        raise SystemExit(f"bad {flag} {text!r}: expected LO:HI, e.g. {example}") from None
+    if not valid(lo, hi):
+        raise SystemExit(f"bad {flag} {text!r}: need {need}")
+    return lo, hi
+
+
 def parse_prompt_frac(text):
     """"LO:HI" (0 < LO <= HI < 1) -> (LO, HI); None -> PROMPT_FRAC."""
     if not text:
         return PROMPT_FRAC
-    try:
-        lo, hi = (float(x) for x in text.split(":"))
-    except ValueError:
-        raise SystemExit(f"bad --prompt-frac {text!r}: want LO:HI, e.g. 0.5:0.92") from None
-    if not 0 < lo <= hi < 1:
-        raise SystemExit(f"bad --prompt-frac {text!r}: need 0 < LO <= HI < 1")
-    return lo, hi
+    return _parse_range(text, "--prompt-frac", float, lambda lo, hi: 0 < lo <= hi < 1,
+                        "0 < LO <= HI < 1", "0.5:0.92")
 
 
 def parse_pairs(text):
     """"LO:HI" -> (LO, HI), or None for the length-dependent default."""
     if not text:
         return None
-    try:
-        lo, hi = (int(x) for x in text.split(":"))
-    except ValueError:
-        raise SystemExit(f"bad --mqar-pairs {text!r}: expected LO:HI, e.g. 2:4") from None
-    if not 2 <= lo <= hi:
-        raise SystemExit(f"bad --mqar-pairs {text!r}: need 2 <= LO <= HI")
-    return lo, hi
+    return _parse_range(text, "--mqar-pairs", int, lambda lo, hi: 2 <= lo <= hi, "2 <= LO <= HI", "2:4")
 
 
 def parse_templates(text):
