@@ -8,14 +8,22 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
+# Forced CPU devices are threads of one process. On a loaded 2-core machine their collectives
+# have been seen to lag past XLA's default 40 s termination timeout and, once in CI, to hang for
+# good (q-maskahead parity: a 4-way all-reduce waited > 900 s for a participant that never came).
+# So a collective stuck for 240 s (far beyond any lag seen) aborts the process with XLA's
+# "Termination timeout" message, and tests/test_sharding.py runs such a script once more.
+COLLECTIVE_FLAGS = ("--xla_cpu_collective_call_terminate_timeout_seconds=240 "
+                    "--xla_cpu_collective_call_warn_stuck_timeout_seconds=60")
+STUCK_MARKERS = ("Termination timeout for", "may be stuck")
+
 
 def setup(n_devices: int | None = None) -> None:
     flags = os.environ.get("XLA_FLAGS", "")
     if n_devices and "xla_force_host_platform_device_count" not in flags:
         flags = f"{flags} --xla_force_host_platform_device_count={n_devices}"
-    if "collective_call_terminate_timeout" not in flags:  # loaded CI machines: see test_sharding.py
-        flags += (" --xla_cpu_collective_call_terminate_timeout_seconds=1200"
-                  " --xla_cpu_collective_call_warn_stuck_timeout_seconds=300")
+    if "collective_call_terminate_timeout" not in flags:
+        flags += " " + COLLECTIVE_FLAGS
     os.environ["XLA_FLAGS"] = flags.strip()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     for p in (ROOT, os.path.join(ROOT, "tests")):
