@@ -10,6 +10,10 @@ engine is the library's cached, jitted `generate` with a KV-cache policy (dense 
 `--engine reference` decodes with no cache (a full forward per step). Held-out seeds start at
 --seed (training draws its seeds from [1e7, 2^31)).
 
+With --results FILE.jsonl every finished cell is appended to FILE (its per-example scores and the
+run's settings) and a rerun with the same settings skips the cells already there, so an
+interrupted evaluation resumes; a FILE written with other settings is refused.
+
 This script reports the model card's per-cell table; policies x budgets sweeps of the same suite
 (resumable JSONL results, tables, sign tests, plots) are `maskahead eval --suite`
 (maskahead_jax/evaluation; docs/evaluation.md).
@@ -52,53 +56,104 @@ def main(argv=None):
     ap.add_argument("--policy-kw", default="", help="policy knobs key=value,... (e.g. capacity_floor=64)")
     ap.add_argument("--show", type=int, default=0,
                     help="print the first N predictions of every cell (reference | prediction) to stderr")
+    ap.add_argument("--results", default=None,
+                    help="append each finished cell to this JSONL file and skip the cells it already holds")
     ap.add_argument("--update-readme", action="store_true",
                     help="write the results into the '## Measured scores' section of the model's README.md")
     args = ap.parse_args(argv)
     if args.engine == "reference":
         ref = load_pretrained(args.model, dtype="float32")
-        params, cfg = ref.params, ref.config
-        pred = make_decoder(cfg)
+        model_or_ref = (ref.params, ref.config, make_decoder(ref.config))
     else:
-        model = load_pretrained(args.model)
-        policy = make_policy(args.policy, None if args.policy == "dense" else args.capacity,
-                             **({} if args.policy == "dense" else parse_policy_kw(args.policy_kw)))
+        model_or_ref = (load_pretrained(args.model),
+                        make_policy(args.policy, None if args.policy == "dense" else args.capacity,
+                                    **({} if args.policy == "dense" else parse_policy_kw(args.policy_kw))))
     tok = T.get_tokenizer(os.path.join(args.model, "tokenizer.json"))
     out = {"model": args.model, "engine": args.engine, "policy": args.policy,
            "capacity": None if args.policy == "dense" else args.capacity,
            "n_per_cell": args.n, "cells": {}, "summary": {}}
+    settings = {k: out[k] for k in ("model", "engine", "policy", "capacity", "n_per_cell")}
+    settings.update(policy_kw=args.policy_kw, threshold=args.threshold, seed=args.seed)
+    done = load_results(args.results, settings)
     for task in args.tasks.split(","):
         tot = []
         for n in [int(x) for x in args.lengths.split(",")]:
             for d in [float(x) for x in args.depths.split(",")]:
+                key = f"{task}/{n}/{d}"
                 t0 = time.time()
-                exs = [T.generate(task, n, d, args.seed + i, tok) for i in range(args.n)]
-                scores, hop1 = [], []
-                for b in range(0, len(exs), args.batch):
-                    chunk = exs[b:b + args.batch]
-                    ids = [tok.encode(e.prompt).ids for e in chunk]
-                    if args.engine == "reference":
-                        outs = greedy_answers(params, cfg, pred, ids, MAX_NEW[task], threshold=args.threshold)
-                    else:
-                        outs = generate(model, ids, GenerationConfig(max_new_tokens=MAX_NEW[task],
-                                                                     threshold=args.threshold), policy).tokens
-                    texts = [tok.decode(o) for o in outs]
-                    scores += [e.score(t) for e, t in zip(chunk, texts)]
-                    if task == "twohop":
-                        hop1 += [T.twohop_first_hop(e, t) for e, t in zip(chunk, texts)]
-                    for e, t in list(zip(chunk, texts))[:max(0, args.show - b)]:
-                        print(f"  {e.target!r} | {t!r}", file=sys.stderr)
-                out["cells"][f"{task}/{n}/{d}"] = float(np.mean(scores))
+                if key in done:
+                    scores, hop1 = done[key]["scores"], done[key].get("first_hop", [])
+                else:
+                    scores, hop1 = evaluate_cell(args, model_or_ref, tok, task, n, d)
+                    append_result(args.results, dict(settings, cell=key, scores=scores,
+                                                     **({"first_hop": hop1} if hop1 else {})))
+                out["cells"][key] = float(np.mean(scores))
                 if hop1:
                     out.setdefault("twohop_first_hop", {})[f"{n}/{d}"] = float(np.mean(hop1))
                 tot += scores
                 print(f"{task} len={n} depth={d}: {np.mean(scores):.3f}"
-                      + (f" (first hop {np.mean(hop1):.3f})" if hop1 else "") + f" ({time.time() - t0:.0f}s)",
+                      + (f" (first hop {np.mean(hop1):.3f})" if hop1 else "")
+                      + (" (from --results)" if key in done else f" ({time.time() - t0:.0f}s)"),
                       file=sys.stderr, flush=True)
         out["summary"][task] = float(np.mean(tot))
     print(json.dumps(out, indent=1))
     if args.update_readme:
         update_readme(args, out, argv)
+
+
+def evaluate_cell(args, model_or_ref, tok, task: str, n: int, depth: float):
+    """Scores of one (task, length, depth) cell's args.n held-out examples (and, for two-hop,
+    whether each prediction found the first hop)."""
+    exs = [T.generate(task, n, depth, args.seed + i, tok) for i in range(args.n)]
+    scores, hop1 = [], []
+    for b in range(0, len(exs), args.batch):
+        chunk = exs[b:b + args.batch]
+        ids = [tok.encode(e.prompt).ids for e in chunk]
+        if args.engine == "reference":
+            params, cfg, pred = model_or_ref
+            outs = greedy_answers(params, cfg, pred, ids, MAX_NEW[task], threshold=args.threshold)
+        else:
+            model, policy = model_or_ref
+            outs = generate(model, ids, GenerationConfig(max_new_tokens=MAX_NEW[task],
+                                                         threshold=args.threshold), policy).tokens
+        texts = [tok.decode(o) for o in outs]
+        scores += [float(e.score(t)) for e, t in zip(chunk, texts)]
+        if task == "twohop":
+            hop1 += [float(T.twohop_first_hop(e, t)) for e, t in zip(chunk, texts)]
+        for e, t in list(zip(chunk, texts))[:max(0, args.show - b)]:
+            print(f"  {e.target!r} | {t!r}", file=sys.stderr)
+    return scores, hop1
+
+
+def load_results(path, settings: dict) -> dict:
+    """Cells already in the --results file, by key; refuses a file written with other settings."""
+    if not path or not os.path.exists(path):
+        return {}
+    done = {}
+    with open(path) as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by an interruption: that cell reruns
+                print(f"--results {path}: line {i} is not JSON, ignored", file=sys.stderr)
+                continue
+            other = {k: rec.get(k) for k in settings if rec.get(k) != settings[k]}
+            if other:
+                raise SystemExit(f"--results {path} holds a run with other settings ({other}; this run: "
+                                 f"{ {k: settings[k] for k in other} }): use another file")
+            done[rec["cell"]] = rec
+    return done
+
+
+def append_result(path, rec: dict) -> None:
+    """One finished cell as a JSON line (after a newline if an interruption cut the last one)."""
+    if not path:
+        return
+    cut = os.path.exists(path) and os.path.getsize(path) > 0 and open(path, "rb").read()[-1:] != b"\n"
+    with open(path, "a") as f:
+        f.write(("\n" if cut else "") + json.dumps(rec) + "\n")
 
 
 def update_readme(args, out, argv):

@@ -1,8 +1,10 @@
 """experiments/eval_testbed.py: the card's per-cell evaluation prints its JSON and the two-hop
-first-hop diagnostic, scored by the task's own scorer."""
+first-hop diagnostic, scored by the task's own scorer; --results appends cells and resumes."""
 import json
 import os
 import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -20,3 +22,26 @@ def test_eval_testbed_json(capsys):
     assert set(out["summary"]) == {"passkey", "twohop"}
     # --show prints the reference completion beside the prediction (two-hop: the chain)
     assert "holds code" in cap.err and " | " in cap.err
+
+
+def test_eval_testbed_results_append_and_resume(tmp_path, capsys):
+    from experiments.eval_testbed import main
+
+    res = tmp_path / "cells.jsonl"
+    base = ["--tasks", "passkey", "--lengths", "160", "--n", "2", "--results", str(res)]
+    main(base + ["--depths", "0.5"])
+    first = json.loads(capsys.readouterr().out)
+    recs = [json.loads(l) for l in res.read_text().splitlines()]
+    assert [r["cell"] for r in recs] == ["passkey/160/0.5"] and len(recs[0]["scores"]) == 2
+    with open(res, "a") as f:  # an interruption cut a line short: ignored, the cell reruns
+        f.write('{"cell": "passkey/160/1.0", "sco')
+    main(base + ["--depths", "0.5,1"])
+    cap = capsys.readouterr()
+    second = json.loads(cap.out)
+    assert "(from --results)" in cap.err and "line 2 is not JSON" in cap.err
+    assert second["cells"]["passkey/160/0.5"] == first["cells"]["passkey/160/0.5"]
+    assert set(second["cells"]) == {"passkey/160/0.5", "passkey/160/1.0"}
+    cells = [json.loads(l)["cell"] for l in res.read_text().splitlines()[2:]]
+    assert cells == ["passkey/160/1.0"]  # only the new cell was appended, on a line of its own
+    with pytest.raises(SystemExit, match="other settings"):
+        main(base + ["--depths", "0.5", "--threshold", "0.9"])
