@@ -253,12 +253,16 @@ def train_sequence(r: random.Random, L: int, tok, answer_weight: float, dense: f
     return np.asarray(ids, np.int32), np.asarray(w, np.float32)
 
 
-def _weights(text, default):
+def _weights(text, default, flag: str = "--task-weights"):
+    """"w1,w2,..." -> a tuple as long as `default`, exiting with a message that names `flag`."""
     if not text:
         return default
-    w = tuple(float(x) for x in text.split(","))
+    try:
+        w = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        w = ()
     if len(w) != len(default) or min(w) < 0 or sum(w) <= 0:
-        raise SystemExit(f"bad task weights {text!r}: need {len(default)} non-negative numbers")
+        raise SystemExit(f"bad {flag} {text!r}: need {len(default)} non-negative numbers, not all 0")
     return w
 
 
@@ -300,10 +304,21 @@ def parse_templates(text):
     return out
 
 
+def check_data_flags(args) -> None:
+    """Parse every data flag once at startup, so that a malformed value fails before the model is
+    built (make_batch parses them again for each batch, also in --workers' processes)."""
+    _weights(args.task_weights, TASK_WEIGHTS)
+    _weights(args.packed_weights, PACKED_WEIGHTS, "--packed-weights")
+    parse_pairs(args.mqar_pairs)
+    parse_templates(args.mqar_templates)
+    parse_prompt_frac(args.prompt_frac)
+    parse_stages(args.smoke_stage if args.smoke else args.stages)
+
+
 def make_batch(step: int, seed: int, B: int, L: int, tok, args, dense: float = 0.0):
     r = random.Random(seed * 1_000_003 + step)
     tw = _weights(getattr(args, "task_weights", None), TASK_WEIGHTS)
-    pw = _weights(getattr(args, "packed_weights", None), PACKED_WEIGHTS)
+    pw = _weights(getattr(args, "packed_weights", None), PACKED_WEIGHTS, "--packed-weights")
     pairs = parse_pairs(getattr(args, "mqar_pairs", None))
     templates = parse_templates(getattr(args, "mqar_templates", None))
     xs, ws = zip(*[train_sequence(r, L, tok, args.answer_weight, dense, args.copy_prob, tw, pw,
@@ -649,7 +664,7 @@ def main(argv=None):
                     help="also export to --out every this many training minutes")
     ap.add_argument("--final-lengths", default="512,1024", help="held-out eval lengths after training")
     args = ap.parse_args(argv)
-    parse_prompt_frac(args.prompt_frac)  # a bad value fails here, not at the first batch
+    check_data_flags(args)
 
     import orbax.checkpoint as ocp
     from tqdm import tqdm

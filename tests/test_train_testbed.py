@@ -142,7 +142,7 @@ def test_task_weights_option(tok):
                                                    task_weights=",".join(map(str, tt.TASK_WEIGHTS))), dense=0.0)
     for a, b in zip(base, same):
         np.testing.assert_array_equal(a, b)
-    with pytest.raises(SystemExit, match="bad task weights"):
+    with pytest.raises(SystemExit, match="bad --task-weights"):
         tt.make_batch(0, 0, 1, 64, tok, _args(seed=0, task_weights="1,2"), dense=0.0)
     x0 = tt.make_batch(1, 0, 4, 128, tok, _args(seed=0, copy_prob=0.0, task_weights="0,1,0,0,0"), dense=0.0)[1]
     assert all("special magic number" in tok.decode(list(row)) for row in x0)
@@ -321,3 +321,26 @@ def test_mqar_templates_option(tok):
     for row in x0:
         words = [tok.id_to_token(int(t)) for t in row]
         assert words[1:6] == "the special magic number for".split() and "what" in words
+
+
+def test_prompt_frac_sets_the_context_share(tok):
+    """--prompt-frac LO:HI: an unpacked pass-key context (up to the first answer, the first token
+    of weight answer_weight; repeated questions follow) takes that share of the sequence."""
+    def first_answer(frac):
+        r = random.Random(5)
+        return [int(np.argmax(tt.train_sequence(r, 512, tok, 3.0, 0.0, 0.0, (1, 0, 0, 0, 0),
+                                                prompt_frac=frac)[1] == 3.0)) for _ in range(4)]
+    assert all(0.85 * 512 <= n < 512 for n in first_answer((0.9, 0.9))), first_answer((0.9, 0.9))
+    assert all(0.25 * 512 <= n <= 0.4 * 512 for n in first_answer((0.3, 0.3))), first_answer((0.3, 0.3))
+    assert tt.parse_prompt_frac("0.5:0.92") == (0.5, 0.92) and tt.parse_prompt_frac(None) == tt.PROMPT_FRAC
+
+
+@pytest.mark.parametrize("flag,value", [("--prompt-frac", "0.9:0.5"), ("--prompt-frac", "half"),
+                                        ("--task-weights", "1,2"), ("--packed-weights", "a,b,c,d"),
+                                        ("--mqar-pairs", "5:2"), ("--mqar-templates", "poem"),
+                                        ("--stages", "0:512")])
+def test_bad_data_flags_fail_at_startup(flag, value, monkeypatch):
+    """A malformed data flag exits naming the flag before the model is built or anything written."""
+    monkeypatch.setattr(tt, "init_params", lambda *a, **k: pytest.fail("built the model"))
+    with pytest.raises(SystemExit, match=flag if flag != "--stages" else "bad stage"):
+        tt.main([flag, value, "--run-dir", "/nonexistent/run"])
