@@ -18,12 +18,10 @@ import jax.numpy as jnp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "experiments"))
 
-import train_testbed as tt  # noqa: E402
+from maskahead_jax import load_pretrained  # noqa: E402
 from maskahead_jax.model.decoder import forward_hidden  # noqa: E402
-from maskahead_jax.model.init import init_params  # noqa: E402
-from maskahead_jax.model.two_copy import two_copy_hidden  # noqa: E402
+from maskahead_jax.model.two_copy import two_copy_hidden, two_copy_mask  # noqa: E402
 
 
 def _timed(fn, *a, reps: int):
@@ -36,21 +34,21 @@ def _timed(fn, *a, reps: int):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=os.path.join(ROOT, "maskahead_jax", "testbed"),
+                    help="a model folder whose shape and weights to time (default: the shipped testbed)")
     ap.add_argument("--lengths", default="512,2048")
     ap.add_argument("--batch-tokens", type=int, default=4096, help="B = this // L")
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args(argv)
-    ns = argparse.Namespace(layers=4, d_model=128, heads=4, kv_heads=2, ffn=384, rope_theta=10000.0,
-                            logits_shift=True)
-    cfg = tt.make_config(ns, 1536)
-    params = init_params(cfg, jax.random.PRNGKey(0))
+    model = load_pretrained(args.model, dtype="float32")  # training runs in float32
+    cfg, params, V = model.config, model.params, model.config.vocab_size
     for L in [int(x) for x in args.lengths.split(",")]:
         B = max(1, args.batch_tokens // L)
-        xt = jax.random.randint(jax.random.PRNGKey(1), (B, L), 0, 1536)
-        x0 = jax.random.randint(jax.random.PRNGKey(2), (B, L), 0, 1536)
+        xt = jax.random.randint(jax.random.PRNGKey(1), (B, L), 0, V)
+        x0 = jax.random.randint(jax.random.PRNGKey(2), (B, L), 0, V)
         pos = jnp.broadcast_to(jnp.concatenate([jnp.arange(L), jnp.arange(L)]), (B, 2 * L))
-        mask = jnp.broadcast_to(jnp.asarray(tt.two_copy_mask(L)), (B, 2 * L, 2 * L))
+        mask = jnp.broadcast_to(jnp.asarray(two_copy_mask(L, cfg.block_size)), (B, 2 * L, 2 * L))
 
         def dense(p):
             return forward_hidden(p, cfg, jnp.concatenate([xt, x0], 1), pos, mask=mask).sum()
