@@ -189,12 +189,13 @@ PACKED_WEIGHTS = (0.45, 0.2, 0.2, 0.15)  # their weights, in PACKED_TASKS' order
 def train_sequence(r: random.Random, L: int, tok, answer_weight: float, dense: float = 0.0,
                    copy: float = 0.0, task_weights=TASK_WEIGHTS, packed_weights=PACKED_WEIGHTS,
                    mqar: float = 0.0, mqar_pairs=None, mqar_templates=("list",),
-                   prompt_frac=PROMPT_FRAC):
+                   prompt_frac=PROMPT_FRAC, edge_depths: float = 0.0):
     """One clean training sequence of exactly L tokens and its per-token loss weights.
 
     An unpacked needle context takes a fraction U(prompt_frac) of L (the rest: extra questions);
     an evaluation at length n reads an n-token prompt, so a stage of length L trains prompts
-    up to prompt_frac[1] * L only.
+    up to prompt_frac[1] * L only. The needle's depth is U(0, 1), or with probability
+    `edge_depths` one of the two ends (0: right after [BOS]; 1: right before the question).
 
     With probability `dense` the context is packed with facts (many keys, little filler) and
     followed by many questions: MQAR-style data where recall is the main source of
@@ -211,6 +212,8 @@ def train_sequence(r: random.Random, L: int, tok, answer_weight: float, dense: f
         task = r.choices(PACKED_TASKS, weights=packed_weights)[0]
     frac = r.uniform(0.3, 0.5) if packed else r.uniform(*prompt_frac)
     depth = r.random()
+    if edge_depths and r.random() < edge_depths:  # (no extra draw at 0: old recipes reproduce)
+        depth = float(depth < 0.5)
     seed = r.randrange(10 ** 7, 2 ** 31)
     if task == "longanswer":
         nf = max(3, min(44, int(L * (0.35 if packed else 0.5)) // 6))
@@ -286,6 +289,14 @@ def parse_prompt_frac(text):
                         "0 < LO <= HI < 1", "0.5:0.92")
 
 
+def parse_edge_depths(value) -> float:
+    """--edge-depths P (0 <= P <= 1); None -> 0."""
+    p = float(value or 0.0)
+    if not 0.0 <= p <= 1.0:
+        raise SystemExit(f"bad --edge-depths {value!r}: need a probability in [0, 1]")
+    return p
+
+
 def parse_pairs(text):
     """"LO:HI" -> (LO, HI), or None for the length-dependent default."""
     if not text:
@@ -312,6 +323,7 @@ def check_data_flags(args) -> None:
     parse_pairs(args.mqar_pairs)
     parse_templates(args.mqar_templates)
     parse_prompt_frac(args.prompt_frac)
+    parse_edge_depths(args.edge_depths)
     parse_stages(args.smoke_stage if args.smoke else args.stages)
 
 
@@ -323,7 +335,8 @@ def make_batch(step: int, seed: int, B: int, L: int, tok, args, dense: float = 0
     templates = parse_templates(getattr(args, "mqar_templates", None))
     xs, ws = zip(*[train_sequence(r, L, tok, args.answer_weight, dense, args.copy_prob, tw, pw,
                                   getattr(args, "mqar_prob", 0.0), pairs, templates,
-                                  parse_prompt_frac(getattr(args, "prompt_frac", None)))
+                                  parse_prompt_frac(getattr(args, "prompt_frac", None)),
+                                  parse_edge_depths(getattr(args, "edge_depths", None)))
                    for _ in range(B)])
     x0 = np.stack(xs)
     w = np.stack(ws)
@@ -637,6 +650,9 @@ def main(argv=None):
     ap.add_argument("--prompt-frac", default=None,
                     help="LO:HI share of a stage's length an unpacked needle context takes "
                          f"(default {PROMPT_FRAC[0]}:{PROMPT_FRAC[1]}; the rest holds extra questions)")
+    ap.add_argument("--edge-depths", type=float, default=0.0,
+                    help="probability that an unpacked needle sits at one of the context's two ends "
+                         "(depth 0 or 1; otherwise U(0, 1)): the weakest depths of stage 12's export")
     ap.add_argument("--packed-weights", default=None,
                     help="packed contexts: weights of multikey,twohop,longanswer,docqa "
                          f"(default {','.join(map(str, PACKED_WEIGHTS))})")

@@ -338,9 +338,24 @@ def test_prompt_frac_sets_the_context_share(tok):
 @pytest.mark.parametrize("flag,value", [("--prompt-frac", "0.9:0.5"), ("--prompt-frac", "half"),
                                         ("--task-weights", "1,2"), ("--packed-weights", "a,b,c,d"),
                                         ("--mqar-pairs", "5:2"), ("--mqar-templates", "poem"),
-                                        ("--stages", "0:512")])
+                                        ("--edge-depths", "1.5"), ("--stages", "0:512")])
 def test_bad_data_flags_fail_at_startup(flag, value, monkeypatch):
     """A malformed data flag exits naming the flag before the model is built or anything written."""
     monkeypatch.setattr(tt, "init_params", lambda *a, **k: pytest.fail("built the model"))
     with pytest.raises(SystemExit, match=flag if flag != "--stages" else "bad stage"):
         tt.main([flag, value, "--run-dir", "/nonexistent/run"])
+
+
+def test_edge_depths_puts_needles_at_the_ends(tok, monkeypatch):
+    """--edge-depths 1: every unpacked needle at depth 0 or 1, both used; 0 (the default) draws the
+    very same batch as before the flag existed (no extra random draw)."""
+    base = tt.make_batch(4, 0, 6, 128, tok, _args(seed=0, copy_prob=0.0), dense=0.0)
+    same = tt.make_batch(4, 0, 6, 128, tok, _args(seed=0, copy_prob=0.0, edge_depths=0.0), dense=0.0)
+    for a, b in zip(base, same):
+        np.testing.assert_array_equal(a, b)
+    depths, make = [], T.generate
+    monkeypatch.setattr(tt.T, "generate", lambda task, n, d, *a, **k: depths.append(d) or make(task, n, d, *a, **k))
+    r = random.Random(1)
+    for _ in range(12):
+        tt.train_sequence(r, 256, tok, 3.0, 0.0, 0.0, (1, 1, 1, 1, 0), edge_depths=1.0)
+    assert len(depths) == 12 and set(depths) == {0.0, 1.0}
