@@ -12,7 +12,10 @@ engine is the library's cached, jitted `generate` with a KV-cache policy (dense 
 
 With --results FILE.jsonl every finished cell is appended to FILE (its per-example scores and the
 run's settings) and a rerun with the same settings skips the cells already there, so an
-interrupted evaluation resumes; a FILE written with other settings is refused.
+interrupted evaluation resumes; a FILE written with other settings is refused. Two or more such
+files (e.g. dense and a policy on the same examples) compare with a paired sign test:
+
+  python experiments/eval_testbed.py --compare dense.jsonl maskahead.jsonl
 
 This script reports the model card's per-cell table; policies x budgets sweeps of the same suite
 (resumable JSONL results, tables, sign tests, plots) are `maskahead eval --suite`
@@ -36,6 +39,7 @@ from maskahead_jax import GenerationConfig, generate, load_pretrained  # noqa: E
 from maskahead_jax import tasks as T  # noqa: E402
 from maskahead_jax.evaluation.datasets import TESTBED_MAX_NEW as MAX_NEW  # noqa: E402  (the suite's budgets)
 from maskahead_jax.evaluation.policies import make_policy, parse_policy_kw  # noqa: E402
+from maskahead_jax.evaluation.stats import paired_sign_test  # noqa: E402
 
 
 def main(argv=None):
@@ -58,9 +62,15 @@ def main(argv=None):
                     help="print the first N predictions of every cell (reference | prediction) to stderr")
     ap.add_argument("--results", default=None,
                     help="append each finished cell to this JSONL file and skip the cells it already holds")
+    ap.add_argument("--compare", nargs="+", default=None, metavar="RESULTS",
+                    help="compare --results files on the examples they share (paired sign test of "
+                         "each file against the first) and exit")
     ap.add_argument("--update-readme", action="store_true",
                     help="write the results into the '## Measured scores' section of the model's README.md")
     args = ap.parse_args(argv)
+    if args.compare:
+        print(json.dumps(compare_results(args.compare), indent=1))
+        return
     if args.engine == "reference":
         ref = load_pretrained(args.model, dtype="float32")
         model_or_ref = (ref.params, ref.config, make_decoder(ref.config))
@@ -154,6 +164,29 @@ def append_result(path, rec: dict) -> None:
     cut = os.path.exists(path) and os.path.getsize(path) > 0 and open(path, "rb").read()[-1:] != b"\n"
     with open(path, "a") as f:
         f.write(("\n" if cut else "") + json.dumps(rec) + "\n")
+
+
+def compare_results(paths) -> dict:
+    """Per-example scores of several --results files, paired by (cell, example index): each
+    file's mean and a two-sided sign test of it against the first file."""
+    if len(paths) < 2:
+        raise SystemExit("--compare needs two or more --results files")
+    runs = []
+    for path in paths:
+        if not os.path.exists(path):
+            raise SystemExit(f"--compare: no such file {path}")
+        recs = [json.loads(l) for l in open(path) if l.strip().startswith("{") and l.strip().endswith("}")]
+        runs.append({(r["cell"], i): s for r in recs for i, s in enumerate(r["scores"])})
+    base = runs[0]
+    out = {"base": paths[0], "base_mean": float(np.mean(list(base.values()))) if base else None, "against": []}
+    for path, run in zip(paths[1:], runs[1:]):
+        shared = sorted(set(base) & set(run))
+        if not shared:
+            raise SystemExit(f"--compare: {path} shares no (cell, example) with {paths[0]}")
+        t = paired_sign_test(run, base)  # wins: this file scored higher than the base
+        out["against"].append(dict(file=path, mean=float(np.mean([run[k] for k in shared])),
+                                   base_mean=float(np.mean([base[k] for k in shared])), **t))
+    return out
 
 
 def update_readme(args, out, argv):

@@ -45,3 +45,15 @@ def test_eval_testbed_results_append_and_resume(tmp_path, capsys):
     assert cells == ["passkey/160/1.0"]  # only the new cell was appended, on a line of its own
     with pytest.raises(SystemExit, match="other settings"):
         main(base + ["--depths", "0.5", "--threshold", "0.9"])
+    # --compare: the same examples under another setting, paired by (cell, example)
+    other = tmp_path / "other.jsonl"
+    recs = [json.loads(l) for l in res.read_text().splitlines() if l.endswith("}")]
+    for r in recs:
+        r["scores"] = [1.0 - x for x in r["scores"]]
+    other.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    main(["--compare", str(res), str(other)])
+    (cmp,) = json.loads(capsys.readouterr().out)["against"]
+    assert cmp["n"] == 4 and cmp["wins"] + cmp["losses"] == 4 and cmp["ties"] == 0
+    assert cmp["mean"] == pytest.approx(1 - cmp["base_mean"]) and 0 < cmp["p"] <= 1
+    with pytest.raises(SystemExit, match="two or more"):
+        main(["--compare", str(res)])
