@@ -135,25 +135,29 @@ def evaluate_cell(args, model_or_ref, tok, task: str, n: int, depth: float):
     return scores, hop1
 
 
-def load_results(path, settings: dict) -> dict:
-    """Cells already in the --results file, by key; refuses a file written with other settings."""
-    if not path or not os.path.exists(path):
-        return {}
-    done = {}
+def read_results(path):
+    """The records of a --results file, skipping (with a note) a line an interruption cut short."""
     with open(path) as f:
         for i, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:  # a line cut short by an interruption: that cell reruns
+                yield json.loads(line)
+            except json.JSONDecodeError:  # that cell reruns (load_results) or is left out (--compare)
                 print(f"--results {path}: line {i} is not JSON, ignored", file=sys.stderr)
-                continue
-            other = {k: rec.get(k) for k in settings if rec.get(k) != settings[k]}
-            if other:
-                raise SystemExit(f"--results {path} holds a run with other settings ({other}; this run: "
-                                 f"{ {k: settings[k] for k in other} }): use another file")
-            done[rec["cell"]] = rec
+
+
+def load_results(path, settings: dict) -> dict:
+    """Cells already in the --results file, by key; refuses a file written with other settings."""
+    if not path or not os.path.exists(path):
+        return {}
+    done = {}
+    for rec in read_results(path):
+        other = {k: rec.get(k) for k in settings if rec.get(k) != settings[k]}
+        if other:
+            raise SystemExit(f"--results {path} holds a run with other settings ({other}; this run: "
+                             f"{ {k: settings[k] for k in other} }): use another file")
+        done[rec["cell"]] = rec
     return done
 
 
@@ -175,8 +179,7 @@ def compare_results(paths) -> dict:
     for path in paths:
         if not os.path.exists(path):
             raise SystemExit(f"--compare: no such file {path}")
-        recs = [json.loads(l) for l in open(path) if l.strip().startswith("{") and l.strip().endswith("}")]
-        runs.append({(r["cell"], i): s for r in recs for i, s in enumerate(r["scores"])})
+        runs.append({(r["cell"], i): x for r in read_results(path) for i, x in enumerate(r["scores"])})
     base = runs[0]
     out = {"base": paths[0], "base_mean": float(np.mean(list(base.values()))) if base else None, "against": []}
     for path, run in zip(paths[1:], runs[1:]):
