@@ -165,7 +165,11 @@ def append_result(path, rec: dict) -> None:
     """One finished cell as a JSON line (after a newline if an interruption cut the last one)."""
     if not path:
         return
-    cut = os.path.exists(path) and os.path.getsize(path) > 0 and open(path, "rb").read()[-1:] != b"\n"
+    cut = False
+    if os.path.exists(path) and os.path.getsize(path) > 0:
+        with open(path, "rb") as f:
+            f.seek(-1, os.SEEK_END)  # only the last byte, not the whole file per cell
+            cut = f.read(1) != b"\n"
     with open(path, "a") as f:
         f.write(("\n" if cut else "") + json.dumps(rec) + "\n")
 

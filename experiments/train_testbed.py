@@ -315,28 +315,28 @@ def parse_templates(text):
     return out
 
 
+def data_options(args) -> dict:
+    """The parsed data flags train_sequence takes (absent ones at their defaults); a malformed
+    value exits with a message naming its flag."""
+    g = lambda name: getattr(args, name, None)  # noqa: E731
+    return dict(task_weights=_weights(g("task_weights"), TASK_WEIGHTS),
+                packed_weights=_weights(g("packed_weights"), PACKED_WEIGHTS, "--packed-weights"),
+                mqar=g("mqar_prob") or 0.0, mqar_pairs=parse_pairs(g("mqar_pairs")),
+                mqar_templates=parse_templates(g("mqar_templates")),
+                prompt_frac=parse_prompt_frac(g("prompt_frac")), edge_depths=parse_edge_depths(g("edge_depths")))
+
+
 def check_data_flags(args) -> None:
     """Parse every data flag once at startup, so that a malformed value fails before the model is
     built (make_batch parses them again for each batch, also in --workers' processes)."""
-    _weights(args.task_weights, TASK_WEIGHTS)
-    _weights(args.packed_weights, PACKED_WEIGHTS, "--packed-weights")
-    parse_pairs(args.mqar_pairs)
-    parse_templates(args.mqar_templates)
-    parse_prompt_frac(args.prompt_frac)
-    parse_edge_depths(args.edge_depths)
+    data_options(args)
     parse_stages(args.smoke_stage if args.smoke else args.stages)
 
 
 def make_batch(step: int, seed: int, B: int, L: int, tok, args, dense: float = 0.0):
     r = random.Random(seed * 1_000_003 + step)
-    tw = _weights(getattr(args, "task_weights", None), TASK_WEIGHTS)
-    pw = _weights(getattr(args, "packed_weights", None), PACKED_WEIGHTS, "--packed-weights")
-    pairs = parse_pairs(getattr(args, "mqar_pairs", None))
-    templates = parse_templates(getattr(args, "mqar_templates", None))
-    xs, ws = zip(*[train_sequence(r, L, tok, args.answer_weight, dense, args.copy_prob, tw, pw,
-                                  getattr(args, "mqar_prob", 0.0), pairs, templates,
-                                  parse_prompt_frac(getattr(args, "prompt_frac", None)),
-                                  parse_edge_depths(getattr(args, "edge_depths", None)))
+    opts = data_options(args)
+    xs, ws = zip(*[train_sequence(r, L, tok, args.answer_weight, dense, args.copy_prob, **opts)
                    for _ in range(B)])
     x0 = np.stack(xs)
     w = np.stack(ws)
