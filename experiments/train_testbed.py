@@ -652,7 +652,7 @@ def main(argv=None):
                          f"(default {PROMPT_FRAC[0]}:{PROMPT_FRAC[1]}; the rest holds extra questions)")
     ap.add_argument("--edge-depths", type=float, default=0.0,
                     help="probability that an unpacked needle sits at one of the context's two ends "
-                         "(depth 0 or 1; otherwise U(0, 1)): the weakest depths of stage 12's export")
+                         "(depth 0 or 1; otherwise U(0, 1)): where the shipped testbed scores worst")
     ap.add_argument("--packed-weights", default=None,
                     help="packed contexts: weights of multikey,twohop,longanswer,docqa "
                          f"(default {','.join(map(str, PACKED_WEIGHTS))})")

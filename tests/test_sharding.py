@@ -30,6 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPTS = os.path.join(HERE, "sharding_scripts")
 ALL_FAMILIES = list(FAMILIES)
 
+
 def _env(devices=None):
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
