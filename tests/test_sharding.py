@@ -12,6 +12,8 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 import warnings
 
 import jax
@@ -31,8 +33,15 @@ SCRIPTS = os.path.join(HERE, "sharding_scripts")
 ALL_FAMILIES = list(FAMILIES)
 
 
-def _env(devices=None):
+# Per attempt: the slowest script takes ~140 s on 2 loaded cores. A script prints its stacks and
+# exits DUMP_MARGIN_S before the timeout (sharding_scripts/common.py), so a stuck run says where.
+ATTEMPT_TIMEOUT_S = 420
+DUMP_MARGIN_S = 20
+
+
+def _env(devices=None, timeout=ATTEMPT_TIMEOUT_S):
     env = dict(os.environ)
+    env["MASKAHEAD_DUMP_AFTER_S"] = str(max(1, timeout - DUMP_MARGIN_S))
     env.pop("XLA_FLAGS", None)
     if devices:
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices} {COLLECTIVE_FLAGS}"
@@ -41,35 +50,76 @@ def _env(devices=None):
     return env
 
 
-def _run(script, *args, devices=8, timeout=600):
-    """Run a helper script in its own process; returns its JSON lines. A run whose CPU
-    collectives got stuck (sharding_scripts/common.py: COLLECTIVE_FLAGS) is run once more."""
-    cmd = [sys.executable, os.path.join(SCRIPTS, script), "--devices", str(devices), *args]
-    what = f"{script} {' '.join(args)}"
-    for attempt in (1, 2):
+class _Stuck(Exception):
+    """A run that timed out, or that XLA or faulthandler reported stuck: worth one more try."""
+
+
+def _check(what, returncode, stderr):
+    """Raise _Stuck for a stuck run, AssertionError for any other failure; pass on success."""
+    if returncode == 0:
+        return
+    if any(m in stderr for m in STUCK_MARKERS):
+        raise _Stuck(f"got stuck ({returncode}):\n{stderr[-3000:]}")
+    raise AssertionError(f"{what} failed ({returncode}):\n{stderr[-4000:]}")
+
+
+def _timed_out(timeout, err) -> _Stuck:
+    err = err.decode(errors="replace") if isinstance(err, bytes) else (err or "")
+    return _Stuck(f"timed out after {timeout} s:\n{err[-2000:]}")
+
+
+def _twice(what, attempt):
+    """attempt() once more if it got stuck (sharding_scripts/common.py: COLLECTIVE_FLAGS)."""
+    for n in (1, 2):
         try:
-            p = subprocess.run(cmd, cwd=SCRIPTS, env=_env(devices), capture_output=True, text=True,
-                               timeout=timeout)
-        except subprocess.TimeoutExpired:
-            why = f"timed out after {timeout} s"
-        else:
-            if p.returncode == 0:
-                return [json.loads(l) for l in p.stdout.splitlines() if l.startswith("{")]
-            if not any(m in p.stderr for m in STUCK_MARKERS):
-                raise AssertionError(f"{what} failed ({p.returncode}):\n{p.stderr[-4000:]}")
-            why = f"a CPU collective got stuck ({p.returncode}):\n{p.stderr[-2000:]}"
-        if attempt == 2:
-            raise AssertionError(f"{what}: {why} (twice)")
-        warnings.warn(f"{what}: {why}; running it once more")
+            return attempt()
+        except _Stuck as e:
+            if n == 2:
+                raise AssertionError(f"{what}: {e} (twice)") from None
+            warnings.warn(f"{what}: {e}; running it once more")
+
+
+def _json_lines(out):
+    return [json.loads(l) for l in out.splitlines() if l.startswith("{")]
+
+
+def _run_cmd(what, cmd, devices, timeout=ATTEMPT_TIMEOUT_S, cwd=SCRIPTS) -> str:
+    """Run `cmd` in its own process with `devices` forced CPU devices; returns its stdout. A run
+    that got stuck is run once more."""
+
+    def attempt():
+        try:
+            p = subprocess.run(cmd, cwd=cwd, env=_env(devices, timeout), capture_output=True,
+                               text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            raise _timed_out(timeout, e.stderr) from None
+        _check(what, p.returncode, p.stderr)
+        return p.stdout
+
+    return _twice(what, attempt)
+
+
+def _run(script, *args, devices=8, timeout=ATTEMPT_TIMEOUT_S):
+    """Run a helper script in its own process; returns its JSON lines (see _run_cmd)."""
+    cmd = [sys.executable, os.path.join(SCRIPTS, script), "--devices", str(devices), *args]
+    return _json_lines(_run_cmd(f"{script} {' '.join(args)}", cmd, devices, timeout))
 
 
 # ----------------------------------------------------------------------------- in-process
 def test_run_retries_a_stuck_collective_once_and_nothing_else(tmp_path):
-    with pytest.warns(UserWarning, match="CPU collective got stuck"):
+    with pytest.warns(UserWarning, match="got stuck"):
         assert _run("stuck_once.py", "--marker", str(tmp_path / "a"), devices=1) == [{"calls": 2}]
     with pytest.raises(AssertionError, match="a real bug"):
         _run("stuck_once.py", "--marker", str(tmp_path / "b"), "--other", devices=1)
     assert (tmp_path / "b").read_text() == "1"  # not run again
+
+
+def test_run_retries_a_hung_script_after_its_stack_dump(tmp_path):
+    """A script that hangs prints its stacks (faulthandler, MASKAHEAD_DUMP_AFTER_S) and exits
+    before _run's timeout; _run reports where it hung and runs it once more."""
+    with pytest.warns(UserWarning, match="(?s)got stuck.*stuck_once.py.*in main"):
+        assert _run("stuck_once.py", "--marker", str(tmp_path / "a"), "--hang", devices=1,
+                    timeout=DUMP_MARGIN_S + 4) == [{"calls": 2}]
 
 
 def test_parse_mesh():
@@ -222,12 +272,11 @@ def test_mp_seq_sharding_lowers_per_device_kv_memory():
 
 def test_mp_profile_cli_reports_per_device_kv_under_seq_sharding():
     """`maskahead profile --mesh seq=4` runs sharded and reports a 4x smaller per-device KV."""
-    p = subprocess.run([sys.executable, "-m", "maskahead_jax.cli", "profile", "--mesh", "seq=4",
-                        "--prompt-len", "128", "--out-len", "64", "--batch", "1", "--policies", "dense",
-                        "--kv-budget-gb", "1"], cwd=os.path.dirname(HERE), env=_env(4),
-                       capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0, p.stderr[-3000:]
-    (run,) = json.loads(p.stdout)["runs"]
+    out = _run_cmd("maskahead profile --mesh seq=4",
+                   [sys.executable, "-m", "maskahead_jax.cli", "profile", "--mesh", "seq=4",
+                    "--prompt-len", "128", "--out-len", "64", "--batch", "1", "--policies", "dense",
+                    "--kv-budget-gb", "1"], devices=4, cwd=os.path.dirname(HERE))
+    (run,) = json.loads(out)["runs"]
     assert run["kv_shards"] == 4.0
     assert run["kv_peak_bytes_per_device"] * 4 == run["kv_peak_bytes"]
 
@@ -262,29 +311,46 @@ def test_mp_two_process_distributed_generate_matches_one_process():
 
     if not hasattr(jcfg, "cpu_collectives_implementation"):
         pytest.skip("this jax has no jax_cpu_collectives_implementation (no CPU cross-process collectives)")
-    port = _free_port()
-    procs = []
-    for i in range(2):
-        env = _env(4)
-        env.update(MASKAHEAD_COORDINATOR=f"localhost:{port}", MASKAHEAD_NUM_PROCESSES="2",
-                   MASKAHEAD_PROCESS_ID=str(i), MASKAHEAD_CPU_COLLECTIVES="gloo")
-        procs.append(subprocess.Popen(
-            [sys.executable, os.path.join(SCRIPTS, "dist_worker.py"), "--devices", "4",
-             "--mesh", "data=2,model=4"], cwd=SCRIPTS, env=env, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True))
-    outs = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=600)
-            if p.returncode != 0:
-                if "gloo" in err.lower() and "not" in err.lower() and "support" in err.lower():
-                    pytest.skip(f"CPU collectives unavailable: {err[-500:]}")
-                raise AssertionError(f"worker failed ({p.returncode}):\n{err[-4000:]}")
-            outs.append(json.loads([l for l in out.splitlines() if l.startswith("{")][-1]))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    what = "dist_worker.py x 2 processes"
+
+    def attempt():
+        port, procs, logs = _free_port(), [], []
+        try:
+            for i in range(2):
+                env = _env(4)
+                env.update(MASKAHEAD_COORDINATOR=f"localhost:{port}", MASKAHEAD_NUM_PROCESSES="2",
+                           MASKAHEAD_PROCESS_ID=str(i), MASKAHEAD_CPU_COLLECTIVES="gloo")
+                logs.append((tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")))
+                # output to files, not pipes: a worker blocked on a full pipe would stall the other
+                procs.append(subprocess.Popen(
+                    [sys.executable, os.path.join(SCRIPTS, "dist_worker.py"), "--devices", "4",
+                     "--mesh", "data=2,model=4"], cwd=SCRIPTS, env=env, stdout=logs[i][0],
+                    stderr=logs[i][1], text=True))
+            deadline = time.monotonic() + ATTEMPT_TIMEOUT_S
+            outs = []
+            for p, (out, err) in zip(procs, logs):
+                try:
+                    p.wait(timeout=max(1.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    err.seek(0)
+                    raise _timed_out(ATTEMPT_TIMEOUT_S, err.read()) from None
+                out.seek(0), err.seek(0)
+                text = err.read()
+                if p.returncode != 0 and "gloo" in text.lower() and "not" in text.lower() \
+                        and "support" in text.lower():
+                    pytest.skip(f"CPU collectives unavailable: {text[-500:]}")
+                _check(what, p.returncode, text)
+                outs.append(_json_lines(out.read())[-1])
+            return outs
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            for out, err in logs:
+                out.close(), err.close()
+
+    outs = _twice(what, attempt)
     (single,) = _run("dist_worker.py", "--single", devices=1)
     assert [o["processes"] for o in outs] == [2, 2] and {o["process"] for o in outs} == {0, 1}
     assert all(o["devices"] == 8 and o["local_devices"] == 4 for o in outs)

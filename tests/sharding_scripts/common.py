@@ -15,10 +15,18 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 # "Termination timeout" message, and tests/test_sharding.py runs such a script once more.
 COLLECTIVE_FLAGS = ("--xla_cpu_collective_call_terminate_timeout_seconds=240 "
                     "--xla_cpu_collective_call_warn_stuck_timeout_seconds=60")
-STUCK_MARKERS = ("Termination timeout for", "may be stuck")
+# A script still running after MASKAHEAD_DUMP_AFTER_S seconds (tests/test_sharding.py sets it a
+# little under its own timeout) prints its Python threads' stacks and exits: faulthandler's
+# "(most recent call first)" header marks a stuck run too, and the stacks show where it was.
+STUCK_MARKERS = ("Termination timeout for", "may be stuck", "(most recent call first)")
 
 
 def setup(n_devices: int | None = None) -> None:
+    dump_after = float(os.environ.get("MASKAHEAD_DUMP_AFTER_S", 0))
+    if dump_after > 0:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(dump_after, exit=True)
     flags = os.environ.get("XLA_FLAGS", "")
     if n_devices and "xla_force_host_platform_device_count" not in flags:
         flags = f"{flags} --xla_force_host_platform_device_count={n_devices}"
