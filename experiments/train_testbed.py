@@ -331,6 +331,19 @@ def check_data_flags(args) -> None:
     built (make_batch parses them again for each batch, also in --workers' processes)."""
     data_options(args)
     parse_stages(args.smoke_stage if args.smoke else args.stages)
+    if getattr(args, "answer_mask_max_len", 0) < 0:
+        raise SystemExit(f"bad --answer-mask-max-len {args.answer_mask_max_len}: need a token count >= 0 "
+                         "(0: no limit)")
+
+
+def longest_run(flags: np.ndarray) -> np.ndarray:
+    """The length of the longest run of True in each row of `flags` [B, L] -> [B]."""
+    best = np.zeros(flags.shape[0], np.int64)
+    cur = np.zeros_like(best)
+    for col in flags.T:
+        cur = np.where(col, cur + 1, 0)
+        best = np.maximum(best, cur)
+    return best
 
 
 def make_batch(step: int, seed: int, B: int, L: int, tok, args, dense: float = 0.0):
@@ -353,6 +366,9 @@ def make_batch(step: int, seed: int, B: int, L: int, tok, args, dense: float = 0
     # answer-only rows: every answer token masked, everything else clean (the layout of inference,
     # where the question is read and the answer is the mask; the densest retrieval signal)
     answers_only = rn.uniform(size=(B, 1)) < getattr(args, "answer_mask_prob", 0.0)
+    max_len = getattr(args, "answer_mask_max_len", 0)
+    if max_len:  # a row whose answer is longer keeps the usual noise (it is denoised block by block)
+        answers_only &= (longest_run(w == args.answer_weight) <= max_len)[:, None]
     masked = np.where(answers_only, w == args.answer_weight, masked)
     xt = np.where(masked, T.MASK_ID, x0)
     return xt.astype(np.int32), x0, masked, w
@@ -627,6 +643,9 @@ def main(argv=None):
     ap.add_argument("--answer-weight", type=float, default=3.0)
     ap.add_argument("--answer-mask-prob", type=float, default=0.0,
                     help="fraction of sequences with only their answer tokens masked (the rest clean)")
+    ap.add_argument("--answer-mask-max-len", type=int, default=0,
+                    help="--answer-mask-prob only for sequences whose answers are at most this many "
+                         "tokens each (0: any; 32 leaves the long answer's usual noise alone)")
     ap.add_argument("--mask-ratio-max", type=float, default=1.0,
                     help="per-block mask ratios are drawn from U(0, this) (low: most context stays visible)")
     ap.add_argument("--suffix-prob", type=float, default=0.5)

@@ -134,6 +134,27 @@ def test_answer_mask_prob_masks_exactly_the_answers(tok):
     assert 0 < sum(rows) < 64  # some rows answer-only, the others with the usual random noise
 
 
+def test_answer_mask_max_len_spares_long_answers(tok):
+    """With --answer-mask-max-len 32, answer-only rows are drawn as before but a row whose answer
+    is longer than a block (the long answer: ~126 tokens) keeps the usual noise; short-answer rows
+    are unchanged."""
+    assert tt.longest_run(np.array([[1, 1, 0, 1, 1, 1, 0], [0] * 7], bool)).tolist() == [3, 0]
+    for weights, long in (("0,0,0,0,1", True), ("0.3,0.3,0.2,0.2,0", False)):
+        a = _args(seed=0, copy_prob=0.0, answer_mask_prob=1.0, task_weights=weights)
+        b = _args(seed=0, copy_prob=0.0, answer_mask_prob=1.0, task_weights=weights, answer_mask_max_len=32)
+        xt, x0, masked, w = tt.make_batch(1, 0, 4, 512, tok, a)
+        xt2, x02, masked2, w2 = tt.make_batch(1, 0, 4, 512, tok, b)
+        np.testing.assert_array_equal(x0, x02)
+        np.testing.assert_array_equal(masked, w == 3.0)  # without the limit: answer-only rows
+        if long:
+            assert (tt.longest_run(w == 3.0) > 32).all()
+            assert not any((m == (ww == 3.0)).all() for m, ww in zip(masked2, w2))
+        else:
+            np.testing.assert_array_equal(masked2, masked)
+    with pytest.raises(SystemExit, match="--answer-mask-max-len -1"):
+        tt.check_data_flags(_args(answer_mask_max_len=-1, smoke=True, smoke_stage="0:128:16:0.5"))
+
+
 def test_task_weights_option(tok):
     """--task-weights with the default values reproduces the default batch; bad weights are refused;
     a multikey-only mix yields multikey prompts."""
