@@ -55,24 +55,22 @@ def pytest_runtest_protocol(item, nextitem):
         yield
         return
     winput = getattr(item.config, "workerinput", None)
+    path = None
     if winput is None:  # one process: the stacks (they name the test) go to the terminal
-        fd = item.config._maskahead_stderr_fd
-        faulthandler.dump_traceback_later(HANG_AFTER_S, exit=True, file=fd)
-        try:
-            yield
-        finally:
-            faulthandler.cancel_dump_traceback_later()
-        return
-    path = os.path.join(_hang_dir(item.config), f"{winput['workerid']}-{os.getpid()}.txt")
-    with open(path, "w") as f:
-        f.write(f"{item.nodeid} ran past the hang guard's {HANG_AFTER_S:.0f} s; its threads:\n")
-        f.flush()
-        faulthandler.dump_traceback_later(HANG_AFTER_S, exit=True, file=f)
-        try:
-            yield
-        finally:
-            faulthandler.cancel_dump_traceback_later()
-    os.remove(path)  # finished: nothing to report
+        dest = item.config._maskahead_stderr_fd
+    else:  # a worker: to a file the controller prints at the end
+        path = os.path.join(_hang_dir(item.config), f"{winput['workerid']}-{os.getpid()}.txt")
+        dest = open(path, "w")
+        dest.write(f"{item.nodeid} ran past the hang guard's {HANG_AFTER_S:.0f} s; its threads:\n")
+        dest.flush()
+    faulthandler.dump_traceback_later(HANG_AFTER_S, exit=True, file=dest)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        if path:
+            dest.close()
+            os.remove(path)  # finished: nothing to report
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
