@@ -18,7 +18,8 @@ gated on held-out accuracy (a longer stage starts only once passkey/multikey acc
 twohop, threshold decoding of the answer block) is logged every --eval-minutes.
 
 Everything is resumable: orbax checkpoints every --ckpt-minutes in --run-dir; re-running the same
-command continues (the time budget counts training time over all runs together).
+command continues (the time budget counts training time over all runs together; time the process
+spends stopped, e.g. by SIGSTOP, does not count, see ActiveClock).
 
 Usage:
   python experiments/train_testbed.py --run-dir runs/tb3           # train 175 min (resumes)
@@ -567,6 +568,44 @@ class BatchPrefetcher:
         self.pool.terminate()
 
 
+class ActiveClock:
+    """Seconds of this process's life, leaving out the time it spent stopped (SIGSTOP, a suspended
+    machine), so that pausing a run does not spend its --minutes budget.
+
+    A daemon thread wakes every `tick` seconds; a gap longer than `gap` between two wake-ups can only
+    mean the whole process was not running, and that gap (less one tick) is left out. Reading the
+    clock just after a resume may still include the pause; the next reading takes it back, so sums of
+    differences are right. A thread starved for longer than `gap` also reads as stopped (harmless:
+    the run trains a little longer)."""
+
+    def __init__(self, tick: float = 0.5, gap: float = 10.0):
+        import threading
+
+        self.tick, self.gap = tick, gap
+        self.stopped = 0.0  # seconds left out so far
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._beat, daemon=True, name="active-clock")
+        self._thread.start()
+
+    def _beat(self):
+        last = time.monotonic()
+        while not self._done.wait(self.tick):
+            now = time.monotonic()
+            if now - last > self.gap:
+                with self._lock:
+                    self.stopped += now - last - self.tick
+            last = now
+
+    def __call__(self) -> float:
+        with self._lock:
+            return time.monotonic() - self.stopped
+
+    def close(self):
+        self._done.set()
+        self._thread.join()
+
+
 def load_init(path: str, like):
     """The float32 params of an exported folder, checked against `like` (the configured model)."""
     from maskahead_jax.api import load_pretrained
@@ -752,7 +791,8 @@ def main(argv=None):
     steps_fns = {}
     pred = make_decoder(cfg)
     log_path = os.path.join(run_dir, "metrics.jsonl") if mngr else None
-    t_last = time.time()
+    clock = ActiveClock()  # training time: wall time less any time the process was stopped
+    t_last = clock()
     last_ckpt, last_eval = elapsed, elapsed
     pbar = tqdm(total=int(budget), initial=int(elapsed), unit="s", dynamic_ncols=True, mininterval=5)
     wall_start = time.time()
@@ -797,7 +837,7 @@ def main(argv=None):
         loss = float(loss)
         ema = loss if ema is None else 0.98 * ema + 0.02 * loss
         step += 1
-        now = time.time()
+        now = clock()
         elapsed += now - t_last
         t_last = now
         pbar.n = int(min(elapsed, budget))
@@ -813,17 +853,18 @@ def main(argv=None):
             log({"step": step, "elapsed": elapsed, "eval": res, "eval_L": min(L, 512)})
             heldout = float(np.mean([res["passkey"], res["multikey"]]))
             last_eval = elapsed
-            t_last = time.time()  # eval time does not count against the training budget
+            t_last = clock()  # eval time does not count against the training budget
         if mngr and elapsed - last_ckpt >= 60 * args.ckpt_minutes:
             save()
             last_ckpt = elapsed
-            t_last = time.time()
+            t_last = clock()
         if args.export_minutes and elapsed - last_export >= 60 * args.export_minutes:
             export_hf(params, cfg, args.out)
             log({"step": step, "elapsed": elapsed, "exported": args.out})
             last_export = elapsed
-            t_last = time.time()
+            t_last = clock()
     pbar.close()
+    clock.close()
     if prefetch:
         prefetch.close()
     if args.smoke:

@@ -380,3 +380,39 @@ def test_edge_depths_puts_needles_at_the_ends(tok, monkeypatch):
     for _ in range(12):
         tt.train_sequence(r, 256, tok, 3.0, 0.0, 0.0, (1, 1, 1, 1, 0), edge_depths=1.0)
     assert len(depths) == 12 and set(depths) == {0.0, 1.0}
+
+
+_CLOCK_CHILD = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+from train_testbed import ActiveClock
+clock = ActiveClock(tick=0.05, gap=1.0)
+a0, w0 = clock(), time.monotonic()
+print("ready", flush=True)
+sys.stdin.readline()
+time.sleep(0.3)  # the heartbeat's first wake-up after a resume counts the gap
+print(clock() - a0, time.monotonic() - w0, flush=True)
+"""
+
+
+def test_active_clock_leaves_out_time_stopped():
+    """A run paused with SIGSTOP (e.g. to free the cores) keeps its training budget."""
+    import signal
+    import subprocess
+    import time
+
+    child = subprocess.Popen([sys.executable, "-c", _CLOCK_CHILD, os.path.join(ROOT, "experiments")],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        os.kill(child.pid, signal.SIGSTOP)
+        time.sleep(3.0)
+        os.kill(child.pid, signal.SIGCONT)
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        active, wall = map(float, child.stdout.readline().split())
+    finally:
+        child.kill()
+        child.wait()
+    assert wall >= 3.0
+    assert 0.0 <= active <= wall - 2.5, (active, wall)  # the 3-s stop is left out (less a tick)
