@@ -335,6 +335,8 @@ def check_data_flags(args) -> None:
     if getattr(args, "answer_mask_max_len", 0) < 0:
         raise SystemExit(f"bad --answer-mask-max-len {args.answer_mask_max_len}: need a token count >= 0 "
                          "(0: no limit)")
+    if parse_grow_after(getattr(args, "grow_after", None)) and not getattr(args, "init_from", None):
+        raise SystemExit("--grow-after deepens the model loaded by --init-from; pass --init-from too")
 
 
 def longest_run(flags: np.ndarray) -> np.ndarray:
@@ -606,16 +608,59 @@ class ActiveClock:
         self._thread.join()
 
 
-def load_init(path: str, like):
-    """The float32 params of an exported folder, checked against `like` (the configured model)."""
+_OUTPUT_PROJECTIONS = (("wo",), ("mlp", "down"))  # a layer's writes into the residual stream
+
+
+def parse_grow_after(text) -> list[int]:
+    """--grow-after '1,3' -> [1, 3]: the original layers after which a new layer goes."""
+    if not text:
+        return []
+    try:
+        out = sorted(int(x) for x in str(text).split(","))
+    except ValueError:
+        raise SystemExit(f"--grow-after {text!r}: want layer indices, e.g. 1,3") from None
+    if any(i < 0 for i in out):
+        raise SystemExit(f"--grow-after {text!r}: layer indices must be >= 0")
+    return out
+
+
+def grow_layers(params, after: list[int]):
+    """Deeper params that compute the same function: after each original layer i in `after`, a copy
+    of layer i whose output projections (attention `wo`, MLP `down`) are zero, so it adds nothing
+    to the residual stream until training moves them. Its queries and keys start as layer i's, so
+    its attention reads what layer i reads. params["layers"] leaves are stacked [num_layers, ...]."""
+    layers = params["layers"]
+    n = jax.tree_util.tree_leaves(layers)[0].shape[0]
+    bad = [i for i in after if i >= n]
+    if bad:
+        raise SystemExit(f"--grow-after: layer {bad[0]} does not exist (the model has {n} layers: 0..{n - 1})")
+    order = []  # (source layer, zeroed output projections)
+    for i in range(n):
+        order.append((i, False))
+        order += [(i, True)] * after.count(i)
+
+    def grow(path, a):
+        keys = tuple(getattr(k, "key", k) for k in path)
+        out = any(keys[-len(o):] == o for o in _OUTPUT_PROJECTIONS)
+        return jnp.stack([jnp.zeros_like(a[i]) if z and out else a[i] for i, z in order])
+
+    return {**params, "layers": jax.tree_util.tree_map_with_path(grow, layers)}
+
+
+def load_init(path: str, like, grow_after=()):
+    """The float32 params of an exported folder (deepened by grow_layers when `grow_after` names
+    layers), checked against `like` (the configured model)."""
     from maskahead_jax.api import load_pretrained
 
     loaded = load_pretrained(path, dtype="float32").params
+    if grow_after:
+        loaded = grow_layers(loaded, list(grow_after))
     want = jax.tree_util.tree_map(lambda a: a.shape, like)
     got = jax.tree_util.tree_map(lambda a: a.shape, loaded)
     if want != got:
         raise SystemExit(f"--init-from {path}: parameter shapes {got} do not match the "
-                         f"configured model {want} (pass the same --layers/--d-model/... it was trained with)")
+                         f"configured model {want} (pass the same --layers/--d-model/... it was trained with; "
+                         f"with --grow-after, --layers counts the new layers too)")
     return loaded
 
 
@@ -730,6 +775,10 @@ def main(argv=None):
     ap.add_argument("--eval-n", type=int, default=16)
     ap.add_argument("--init-from", default=None,
                     help="start from an exported folder's weights (fresh optimizer state), e.g. the shipped testbed")
+    ap.add_argument("--grow-after", default=None,
+                    help="with --init-from: insert a new layer after each of these original layers "
+                         "(e.g. 1,3; a copy with zeroed output projections, so the deeper model starts "
+                         "as the loaded one); --layers is the new total")
     ap.add_argument("--workers", type=int, default=0,
                     help="build batches in this many CPU processes ahead of the step (0: inline)")
     ap.add_argument("--wall-minutes", type=float, default=None,
@@ -748,7 +797,7 @@ def main(argv=None):
     cfg = make_config(args, args.vocab)
     params = init_params(cfg, jax.random.PRNGKey(args.seed))
     if args.init_from:
-        params = load_init(args.init_from, params)
+        params = load_init(args.init_from, params, parse_grow_after(args.grow_after))
         print(f"initialized from {args.init_from}", flush=True)
         init_cfg = os.path.join(args.init_from, "config.json")
         init_shift = False

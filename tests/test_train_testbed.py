@@ -359,7 +359,8 @@ def test_prompt_frac_sets_the_context_share(tok):
 @pytest.mark.parametrize("flag,value", [("--prompt-frac", "0.9:0.5"), ("--prompt-frac", "half"),
                                         ("--task-weights", "1,2"), ("--packed-weights", "a,b,c,d"),
                                         ("--mqar-pairs", "5:2"), ("--mqar-templates", "poem"),
-                                        ("--edge-depths", "1.5"), ("--stages", "0:512")])
+                                        ("--edge-depths", "1.5"), ("--stages", "0:512"),
+                                        ("--grow-after", "1,x"), ("--grow-after", "1")])
 def test_bad_data_flags_fail_at_startup(flag, value, monkeypatch):
     """A malformed data flag exits naming the flag before the model is built or anything written."""
     monkeypatch.setattr(tt, "init_params", lambda *a, **k: pytest.fail("built the model"))
@@ -416,3 +417,35 @@ def test_active_clock_leaves_out_time_stopped():
         child.wait()
     assert wall >= 3.0
     assert 0.0 <= active <= wall - 2.5, (active, wall)  # the 3-s stop is left out (less a tick)
+
+
+def test_grow_layers_keeps_the_function_and_trains_the_new_layers(tmp_path, tok):
+    """--grow-after: the deeper model computes what the loaded one does (the new layers write zeros
+    into the residual stream) and one step moves the new layers' output projections off zero."""
+    small = tt.make_config(_args(layers=2), 1536)
+    params = init_params(small, jax.random.PRNGKey(2))
+    deep_cfg = tt.make_config(_args(layers=4), 1536)
+    grown = tt.grow_layers(params, [0, 1])
+    assert jax.tree_util.tree_map(np.shape, grown) == jax.tree_util.tree_map(
+        np.shape, init_params(deep_cfg, jax.random.PRNGKey(0)))
+    np.testing.assert_array_equal(grown["layers"]["wq"][1], params["layers"]["wq"][0])  # a copy of layer 0
+    assert not np.any(grown["layers"]["wo"][3]) and not np.any(grown["layers"]["mlp"]["down"][3])
+    toks = np.asarray([[T.BOS_ID] + list(range(10, 70))], np.int32)
+    np.testing.assert_allclose(forward_logits(grown, deep_cfg, toks), forward_logits(params, small, toks),
+                               rtol=1e-5, atol=1e-5)
+
+    out = tt.export_hf(params, small, str(tmp_path))  # through --init-from's loader
+    loaded = tt.load_init(out, init_params(deep_cfg, jax.random.PRNGKey(0)), tt.parse_grow_after("1,0"))
+    assert not np.any(loaded["layers"]["wo"][1])
+    with pytest.raises(SystemExit, match="shapes"):
+        tt.load_init(out, init_params(deep_cfg, jax.random.PRNGKey(0)))  # 2 layers into 4, not grown
+    with pytest.raises(SystemExit, match="layer 2 does not exist"):
+        tt.grow_layers(params, [2])
+    with pytest.raises(SystemExit, match="layer indices"):
+        tt.parse_grow_after("1,x")
+
+    opt = optax.adamw(1e-3)
+    step = tt.make_train_step(deep_cfg, opt, 64)
+    batch = tt.make_batch(0, 0, 2, 64, tok, _args(layers=4))
+    new, _, loss, _ = step(grown, opt.init(grown), *batch)
+    assert np.isfinite(float(loss)) and np.any(new["layers"]["wo"][1]) and np.any(new["layers"]["mlp"]["down"][3])
