@@ -229,10 +229,29 @@ def test_shard_params_places_leaves():
 
 # ----------------------------------------------------------------------------- 8 CPU devices
 def _check_parity(recs):
+    """Every row equals the unsharded run's tokens, except rows the unsharded run itself changes
+    under ~1-ulp parameter noise (parity.py's float_sensitive_rows: no exact answer exists
+    there); at least one row of each run must be compared exactly."""
     ran = [r for r in recs if "skipped" not in r]
-    bad = [(r["family"], r["policy"], r["ref"], r["out"]) for r in ran if not r["equal"]]
-    assert not bad, f"sharded tokens differ from unsharded: {bad}"
+    bad = []
+    for r in ran:
+        loose = set(r.get("float_sensitive_rows", []))
+        differ = {i for i, (a, b) in enumerate(zip(r["ref"], r["out"])) if a != b}
+        if differ - loose or len(loose) == len(r["ref"]) or len(r["ref"]) != len(r["out"]):
+            bad.append((r["family"], r["policy"], sorted(differ), sorted(loose), r["ref"], r["out"]))
+    assert not bad, f"sharded tokens differ from unsharded (rows, float-sensitive rows): {bad}"
     return ran, [r for r in recs if "skipped" in r]
+
+
+def test_check_parity_excuses_only_float_sensitive_rows():
+    rec = dict(family="sdar", policy="q-maskahead", ref=[[1, 2], [3, 4], [5, 6]], equal=False)
+    _check_parity([dict(rec, out=[[1, 2], [3, 9], [5, 6]], float_sensitive_rows=[1])])
+    with pytest.raises(AssertionError, match="differ"):  # row 0 is float-stable and differs
+        _check_parity([dict(rec, out=[[7, 2], [3, 9], [5, 6]], float_sensitive_rows=[1])])
+    with pytest.raises(AssertionError, match="differ"):  # no control run: every row must match
+        _check_parity([dict(rec, out=[[1, 2], [3, 9], [5, 6]])])
+    with pytest.raises(AssertionError, match="differ"):  # nothing left to compare exactly
+        _check_parity([dict(rec, out=[[1, 2], [3, 9], [5, 6]], float_sensitive_rows=[0, 1, 2])])
 
 
 def test_mp_dense_data2_model4_matches_unsharded_every_family():
