@@ -264,8 +264,11 @@ def test_mp_dense_data2_model4_matches_unsharded_every_family():
 
 @pytest.mark.parametrize("policy", ["maskahead", "q-maskahead"])
 def test_mp_policies_data2_model4_match_unsharded(policy):
+    """One family: a policy reads and writes the cache alone, whose layout is the same for every
+    family; each family's own sharded weights (llada2's experts, fused QKV) are the dense test's.
+    (Both sdar and llada2 ran here until CI neared its 20-minute budget: ~80 s each.)"""
     q = policy == "q-maskahead"  # whole 32-token key groups: longer prompts, 32-token blocks
-    recs = _run("parity.py", "--mesh", "data=2,model=4", "--families", "sdar,llada2",
+    recs = _run("parity.py", "--mesh", "data=2,model=4", "--families", "sdar",
                 "--policies", policy, "--new", "64" if q else "24",
                 "--lens", "150,90,120,60" if q else "70,45,33,20", "--chunk", "64" if q else "32")
     ran, skipped = _check_parity(recs)
