@@ -35,13 +35,9 @@ def _hang_dir(config) -> str:
     return config._maskahead_hang_dir
 
 
-try:
-    import xdist  # noqa: F401
-except ImportError:  # pragma: no cover - without xdist there are no workers to brief
-    pass
-else:
-    def pytest_configure_node(node):  # xdist controller: hand every worker the dump folder
-        node.workerinput[_DIR_KEY] = _hang_dir(node.config)
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: absent without xdist or with -p no:xdist
+def pytest_configure_node(node):  # xdist controller: hand every worker the dump folder
+    node.workerinput[_DIR_KEY] = _hang_dir(node.config)
 
 
 def pytest_configure(config):
