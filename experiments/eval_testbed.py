@@ -5,7 +5,8 @@ cell; prints JSON.
   python experiments/eval_testbed.py --tasks passkey --lengths 2048 --policy streaming --capacity 10
 
 Decoding: threshold decoding (commit every masked position of the current block whose top
-probability >= --threshold, at least the most confident one per step), block by block. The default
+probability >= --threshold, at least the most confident one per step), block by block; the
+threshold defaults to the model's own (config.json `threshold`). The default
 engine is the library's cached, jitted `generate` with a KV-cache policy (dense by default);
 `--engine reference` decodes with no cache (a full forward per step). Held-out seeds start at
 --seed (training draws its seeds from [1e7, 2^31)).
@@ -51,7 +52,8 @@ def main(argv=None):
     ap.add_argument("--n", type=int, default=20, help="examples per (task, length, depth) cell")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--threshold", type=float, default=0.85)
+    ap.add_argument("--threshold", type=float, default=None,
+                    help="commit threshold (default: the model's config.json `threshold`)")
     ap.add_argument("--engine", choices=("cached", "reference"), default="cached",
                     help="cached: the library's jitted generate with a KV-cache policy; reference: "
                          "no cache, a full forward per step")
@@ -78,6 +80,8 @@ def main(argv=None):
         model_or_ref = (load_pretrained(args.model),
                         make_policy(args.policy, None if args.policy == "dense" else args.capacity,
                                     **({} if args.policy == "dense" else parse_policy_kw(args.policy_kw))))
+    if args.threshold is None:  # the model's own decoding setting, recorded in the results
+        args.threshold = (ref.config if args.engine == "reference" else model_or_ref[0].config).threshold
     tok = T.get_tokenizer(os.path.join(args.model, "tokenizer.json"))
     out = {"model": args.model, "engine": args.engine, "policy": args.policy,
            "capacity": None if args.policy == "dense" else args.capacity,

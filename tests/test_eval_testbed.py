@@ -33,6 +33,9 @@ def test_eval_testbed_results_append_and_resume(tmp_path, capsys):
     first = json.loads(capsys.readouterr().out)
     recs = [json.loads(l) for l in res.read_text().splitlines()]
     assert [r["cell"] for r in recs] == ["passkey/160/0.5"] and len(recs[0]["scores"]) == 2
+    # no --threshold: the model's own decoding threshold, recorded with the results
+    with open(os.path.join(ROOT, "maskahead_jax", "testbed", "config.json")) as f:
+        assert recs[0]["threshold"] == json.load(f)["threshold"]
     with open(res, "a") as f:  # an interruption cut a line short: ignored, the cell reruns
         f.write('{"cell": "passkey/160/1.0", "sco')
     main(base + ["--depths", "0.5,1"])
