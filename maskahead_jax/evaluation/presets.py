@@ -20,7 +20,7 @@ PRESETS: dict[str, tuple[dict, str]] = {
               "LLaDA-8B: semi-autoregressive blocks of 32, one token per step (steps = gen length)"),
     "dream": (dict(block_size=32, steps_per_block=32, commit_rule="llada"),
               "Dream-v0-7B: blocks of 32, one token per step"),
-    "testbed": (dict(), "the shipped testbed model: its config.json defaults (threshold 0.85, dynamic)"),
+    "testbed": (dict(), "the shipped testbed model: its config.json defaults (threshold 0.95, dynamic)"),
 }
 
 ALIASES = {"fast_dllm_v2": "fast-dllm-v2", "fastdllm": "fast-dllm-v2", "dreamreasoner": "dream-reasoner",
