@@ -76,12 +76,15 @@ def main(argv=None):
     if args.engine == "reference":
         ref = load_pretrained(args.model, dtype="float32")
         model_or_ref = (ref.params, ref.config, make_decoder(ref.config))
+        cfg = ref.config
     else:
-        model_or_ref = (load_pretrained(args.model),
+        model = load_pretrained(args.model)
+        cfg = model.config
+        model_or_ref = (model,
                         make_policy(args.policy, None if args.policy == "dense" else args.capacity,
                                     **({} if args.policy == "dense" else parse_policy_kw(args.policy_kw))))
     if args.threshold is None:  # the model's own decoding setting, recorded in the results
-        args.threshold = (ref.config if args.engine == "reference" else model_or_ref[0].config).threshold
+        args.threshold = cfg.threshold
     tok = T.get_tokenizer(os.path.join(args.model, "tokenizer.json"))
     out = {"model": args.model, "engine": args.engine, "policy": args.policy,
            "capacity": None if args.policy == "dense" else args.capacity,

@@ -54,7 +54,7 @@ from maskahead_jax import tasks as T  # noqa: E402
 BLOCK = 32
 
 
-# The commit threshold an export's config.json carries and the held-out probe decodes with: 0.95
+# The commit threshold an export's config.json carries (and so the held-out probe decodes with): 0.95
 # since Dec 3 (0.85 before; the testbed card's "Decoding threshold 0.95" chose it on validation seeds).
 THRESHOLD = 0.95
 
@@ -437,10 +437,12 @@ def make_decoder(cfg):
     return pred
 
 
-def greedy_answers(params, cfg, pred, prompts_ids, max_new: int, threshold: float = THRESHOLD,
+def greedy_answers(params, cfg, pred, prompts_ids, max_new: int, threshold: float | None = None,
                    total: int | None = None):
     """Threshold decoding of the answer blocks (at least one commit per step, highest confidence
-    first), batched: prompt + masks to the end of the block holding prompt+max_new, PAD after."""
+    first), batched: prompt + masks to the end of the block holding prompt+max_new, PAD after.
+    threshold: None -> the config's (as the library's generate resolves it)."""
+    threshold = cfg.threshold if threshold is None else threshold
     B = len(prompts_ids)
     ends = [((len(p) + max_new + BLOCK - 1) // BLOCK) * BLOCK for p in prompts_ids]
     T_ = max(total or 0, -(-max(ends) // 64) * 64)
