@@ -20,6 +20,9 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+from xla_test_flags import with_test_flags  # noqa: E402  (tests/ is on sys.path just above)
+
+os.environ["XLA_FLAGS"] = with_test_flags(os.environ.get("XLA_FLAGS", ""))
 
 HANG_AFTER_S = float(os.environ.get("MASKAHEAD_TEST_HANG_S", 1200))
 _DIR_KEY = "maskahead_hang_dir"

@@ -25,7 +25,8 @@ def test_fails():
 
 
 def test_a_hung_test_is_ended_with_its_stacks_and_run_once_more(tmp_path):
-    shutil.copy(os.path.join(HERE, "conftest.py"), tmp_path / "conftest.py")
+    for name in ("conftest.py", "xla_test_flags.py"):  # the conftest and what it imports
+        shutil.copy(os.path.join(HERE, name), tmp_path / name)
     (tmp_path / "test_suite.py").write_text(SUITE)
     (tmp_path / "pytest.ini").write_text("[pytest]\naddopts = --reruns 1 --rerun-except .*\n")
     env = dict(os.environ, MASKAHEAD_TEST_HANG_S="4")

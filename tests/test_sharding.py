@@ -27,6 +27,7 @@ from maskahead_jax import sharding as shd
 from maskahead_jax.model import param_shapes
 from sharding_scripts.common import COLLECTIVE_FLAGS, STUCK_MARKERS
 from tiny import FAMILIES, tiny_model
+from xla_test_flags import with_test_flags
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPTS = os.path.join(HERE, "sharding_scripts")
@@ -42,9 +43,12 @@ DUMP_MARGIN_S = 20
 def _env(devices=None, timeout=ATTEMPT_TIMEOUT_S):
     env = dict(os.environ)
     env["MASKAHEAD_DUMP_AFTER_S"] = str(max(1, timeout - DUMP_MARGIN_S))
-    env.pop("XLA_FLAGS", None)
+    flags = with_test_flags("")  # the suite's compile flags (tests/xla_test_flags.py), no others
     if devices:
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices} {COLLECTIVE_FLAGS}"
+        flags = f"--xla_force_host_platform_device_count={devices} {COLLECTIVE_FLAGS} {flags}"
+    env.pop("XLA_FLAGS", None)
+    if flags:
+        env["XLA_FLAGS"] = flags.strip()
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), HERE, env.get("PYTHONPATH", "")])
     return env
