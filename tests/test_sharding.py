@@ -43,12 +43,9 @@ DUMP_MARGIN_S = 20
 def _env(devices=None, timeout=ATTEMPT_TIMEOUT_S):
     env = dict(os.environ)
     env["MASKAHEAD_DUMP_AFTER_S"] = str(max(1, timeout - DUMP_MARGIN_S))
-    flags = with_test_flags("")  # the suite's compile flags (tests/xla_test_flags.py), no others
-    if devices:
-        flags = f"--xla_force_host_platform_device_count={devices} {COLLECTIVE_FLAGS} {flags}"
-    env.pop("XLA_FLAGS", None)
-    if flags:
-        env["XLA_FLAGS"] = flags.strip()
+    # only these flags, whatever the caller's: the device count and the suite's compile flags
+    devs = f"--xla_force_host_platform_device_count={devices} {COLLECTIVE_FLAGS}" if devices else ""
+    env["XLA_FLAGS"] = with_test_flags(devs)
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), HERE, env.get("PYTHONPATH", "")])
     return env
