@@ -42,6 +42,11 @@ from maskahead_jax.evaluation.datasets import TESTBED_MAX_NEW as MAX_NEW  # noqa
 from maskahead_jax.evaluation.policies import make_policy, parse_policy_kw  # noqa: E402
 from maskahead_jax.evaluation.stats import paired_sign_test  # noqa: E402
 
+# Per-task diagnostics recorded beside the score (a --results field, and "<task>_<field>" in the
+# JSON): did two-hop's chain name the asked case's unit; was document QA's first word right.
+DIAGNOSTICS = {"twohop": ("first_hop", T.twohop_first_hop),
+               "docqa": ("first_word", T.docqa_first_word)}
+
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
@@ -97,19 +102,20 @@ def main(argv=None):
         for n in [int(x) for x in args.lengths.split(",")]:
             for d in [float(x) for x in args.depths.split(",")]:
                 key = f"{task}/{n}/{d}"
+                field = DIAGNOSTICS[task][0] if task in DIAGNOSTICS else None
                 t0 = time.time()
                 if key in done:
-                    scores, hop1 = done[key]["scores"], done[key].get("first_hop", [])
+                    scores, diag = done[key]["scores"], done[key].get(field, []) if field else []
                 else:
-                    scores, hop1 = evaluate_cell(args, model_or_ref, tok, task, n, d)
+                    scores, diag = evaluate_cell(args, model_or_ref, tok, task, n, d)
                     append_result(args.results, dict(settings, cell=key, scores=scores,
-                                                     **({"first_hop": hop1} if hop1 else {})))
+                                                     **({field: diag} if diag else {})))
                 out["cells"][key] = float(np.mean(scores))
-                if hop1:
-                    out.setdefault("twohop_first_hop", {})[f"{n}/{d}"] = float(np.mean(hop1))
+                if diag:
+                    out.setdefault(f"{task}_{field}", {})[f"{n}/{d}"] = float(np.mean(diag))
                 tot += scores
                 print(f"{task} len={n} depth={d}: {np.mean(scores):.3f}"
-                      + (f" (first hop {np.mean(hop1):.3f})" if hop1 else "")
+                      + (f" ({field.replace('_', ' ')} {np.mean(diag):.3f})" if diag else "")
                       + (" (from --results)" if key in done else f" ({time.time() - t0:.0f}s)"),
                       file=sys.stderr, flush=True)
         out["summary"][task] = float(np.mean(tot))
@@ -119,10 +125,10 @@ def main(argv=None):
 
 
 def evaluate_cell(args, model_or_ref, tok, task: str, n: int, depth: float):
-    """Scores of one (task, length, depth) cell's args.n held-out examples (and, for two-hop,
-    whether each prediction found the first hop)."""
+    """Scores of one (task, length, depth) cell's args.n held-out examples, and the task's
+    DIAGNOSTICS value of each (empty for a task without one)."""
     exs = [T.generate(task, n, depth, args.seed + i, tok) for i in range(args.n)]
-    scores, hop1 = [], []
+    scores, diag = [], []
     for b in range(0, len(exs), args.batch):
         chunk = exs[b:b + args.batch]
         ids = [tok.encode(e.prompt).ids for e in chunk]
@@ -135,11 +141,11 @@ def evaluate_cell(args, model_or_ref, tok, task: str, n: int, depth: float):
                                                          threshold=args.threshold), policy).tokens
         texts = [tok.decode(o) for o in outs]
         scores += [float(e.score(t)) for e, t in zip(chunk, texts)]
-        if task == "twohop":
-            hop1 += [float(T.twohop_first_hop(e, t)) for e, t in zip(chunk, texts)]
+        if task in DIAGNOSTICS:
+            diag += [float(DIAGNOSTICS[task][1](e, t)) for e, t in zip(chunk, texts)]
         for e, t in list(zip(chunk, texts))[:max(0, args.show - b)]:
             print(f"  {e.target!r} | {t!r}", file=sys.stderr)
-    return scores, hop1
+    return scores, diag
 
 
 def read_results(path):

@@ -271,6 +271,15 @@ def make_docqa(n_tokens: int, depth: float, seed: int, tokenizer=None, n_docs: i
                    {"entity": ents[0], "attribute": attr, "queries": qa})
 
 
+def docqa_first_word(ex: Example, prediction: str) -> bool:
+    """Is the answer's first word right (LongBench normalization)? A diagnostic beside the F1:
+    a prediction that starts right and then goes wrong copied the rest from another place in
+    the context where that word recurs (first names, places and adverbs recur across documents)."""
+    pred = metrics.normalize_answer(prediction.split(".")[0]).split()
+    ref = metrics.normalize_answer(ex.answer).split()
+    return bool(pred) and pred[0] == ref[0]
+
+
 def make_longanswer(n_tokens: int, depth: float, seed: int, tokenizer=None, n_facts: int = 44) -> Example:
     """n_facts station codes spread over the context; the answer lists `name code ;` for every
     station in the order the question names them (>= 128 answer tokens with the default 44 facts).
