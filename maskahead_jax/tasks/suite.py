@@ -272,9 +272,10 @@ def make_docqa(n_tokens: int, depth: float, seed: int, tokenizer=None, n_docs: i
 
 
 def docqa_first_word(ex: Example, prediction: str) -> bool:
-    """Is the answer's first word right (LongBench normalization)? A diagnostic beside the F1:
-    a prediction that starts right and then goes wrong copied the rest from another place in
-    the context where that word recurs (first names, places and adverbs recur across documents)."""
+    """Is the answer's first word right (LongBench normalization)? A diagnostic beside the F1,
+    which splits "found the fact, lost its later words" (the lexicon's words recur across the
+    documents and the filler, so after the first word the continuation is ambiguous) from
+    "found the wrong fact or none"."""
     pred = metrics.normalize_answer(prediction.split(".")[0]).split()
     ref = metrics.normalize_answer(ex.answer).split()
     return bool(pred) and pred[0] == ref[0]
