@@ -99,10 +99,10 @@ def main(argv=None):
     done = load_results(args.results, settings)
     for task in args.tasks.split(","):
         tot = []
+        field = DIAGNOSTICS[task][0] if task in DIAGNOSTICS else None
         for n in [int(x) for x in args.lengths.split(",")]:
             for d in [float(x) for x in args.depths.split(",")]:
                 key = f"{task}/{n}/{d}"
-                field = DIAGNOSTICS[task][0] if task in DIAGNOSTICS else None
                 t0 = time.time()
                 if key in done:
                     scores, diag = done[key]["scores"], done[key].get(field, []) if field else []

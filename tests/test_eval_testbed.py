@@ -1,5 +1,6 @@
 """experiments/eval_testbed.py: the card's per-cell evaluation prints its JSON and the per-task
-diagnostics (two-hop's first hop, document QA's first word), scored by the task's own scorer; --results appends cells and resumes."""
+diagnostics (two-hop's first hop, document QA's first word), scored by the task's own scorer;
+--results appends cells and resumes."""
 import json
 import os
 import sys

@@ -61,8 +61,8 @@ def test_wrong_answers_score_lower(tok):
     assert ex.score(ex.answer + " . what is the motto of the red hall ? the motto") == 1.0
     assert ex.score("wrong words . " + ex.answer) == 0.0
     assert all("." not in T.make_docqa(512, d, s, tok).answer for d in (0.0, 1.0) for s in range(20))
-    # the first-word diagnostic: right start, wrong rest (copied from another occurrence) is split
-    # from a wrong start; normalized as the F1 is
+    # the first-word diagnostic: a right start with a wrong rest is split from a wrong start;
+    # normalized as the F1 is
     first = ex.answer.split()[0]
     assert T.docqa_first_word(ex, ex.answer.upper() + " . what is the motto")
     assert T.docqa_first_word(ex, first + " wrong words") and ex.score(first + " wrong words") < 1.0

@@ -237,9 +237,16 @@ def make_twohop(n_tokens: int, depth: float, seed: int, tokenizer=None, n_decoys
                    completion=twohop_completion(units[0], codes[0]))
 
 
+def first_sentence(prediction: str) -> str:
+    """What a prediction answers with: its text up to the first "." (document QA's answer and
+    two-hop's unit never hold one; a model that goes on to ask itself the next question is not
+    scored on it)."""
+    return prediction.split(".")[0]
+
+
 def twohop_first_hop(ex: Example, prediction: str) -> bool:
     """Did the chain name the asked case's unit (its first hop)? A diagnostic beside the score."""
-    return prediction.split(".")[0].split() == ex.meta["unit"].split()
+    return first_sentence(prediction).split() == ex.meta["unit"].split()
 
 
 _ATTRS = {
@@ -276,7 +283,7 @@ def docqa_first_word(ex: Example, prediction: str) -> bool:
     which splits "found the fact, lost its later words" (the lexicon's words recur across the
     documents and the filler, so after the first word the continuation is ambiguous) from
     "found the wrong fact or none"."""
-    pred = metrics.normalize_answer(prediction.split(".")[0]).split()
+    pred = metrics.normalize_answer(first_sentence(prediction)).split()
     ref = metrics.normalize_answer(ex.answer).split()
     return bool(pred) and pred[0] == ref[0]
 
@@ -335,7 +342,7 @@ def score(ex: Example, prediction: str) -> float:
         # The answer completes a sentence and never holds a ".": the first sentence is the answer
         # (a model that goes on to ask itself the next question is not penalized for it, as
         # LongBench keeps only the first line of predictions for its few-shot datasets).
-        return metrics.qa_f1_score(prediction.split(".")[0], ex.answer)
+        return metrics.qa_f1_score(first_sentence(prediction), ex.answer)
     if ex.task == "longanswer":
         return longanswer_score(prediction, ex.meta["facts"])
     raise ValueError(f"unknown task {ex.task!r}")
