@@ -93,18 +93,21 @@ def _probe_mass(params, cfg: ModelConfig, policy, cache, x0, start, active, padd
     return out.mass * (m - 1)
 
 
-def _evict_during_prefill(params, cfg: ModelConfig, policy, cache, padded, plen, over, capacity):
-    """Bounded prefill: after a chunk is stored, probe with the question (the prompt's last
-    `question_tokens` tokens at their real positions) plus mask blocks after the prompt, and
-    evict rows over capacity down to C(seen), pinning the question span if asked. A policy whose
-    ranking reads no queries (`needs_probe` false) is evicted without the probe forward."""
-    keep = jnp.where(over, jnp.minimum(cache.length, policy.capacity(cache.seen)), cache.length)
-    q, bs = policy.question_tokens, cfg.block_size
-    pinned = (cache.pos >= (plen - q)[None, :, None, None]) if policy.pin_question else None
-    if not policy.needs_probe:  # a ranking that reads no queries (StreamingLLM): no probe forward
-        return policy.evict(cache, None, None, keep, capacity, pinned=pinned)
+def _question_pinned(policy, cache, plen):
+    """[L, B, Hkv, N] the question span (the prompt's last `question_tokens` positions) when the
+    policy pins it, else None."""
+    if not policy.pin_question:
+        return None
+    return cache.pos >= (plen - policy.question_tokens)[None, :, None, None]
+
+
+def _question_probe_mass(params, cfg: ModelConfig, policy, cache, padded, plen):
+    """The question probe; writes nothing to the cache. The prompt's last `question_tokens`
+    tokens at their real positions plus lookahead_blocks - 1 mask blocks after the prompt, all
+    rows attending to each other and to the cache; their pooled mass, scaled by lookahead_blocks
+    (the lookahead probe's weighting). Returns [L, B, Hkv, N]."""
     b = plen.shape[0]
-    m = policy.lookahead_blocks
+    q, bs, m = policy.question_tokens, cfg.block_size, policy.lookahead_blocks
     qpos = jnp.maximum(plen[:, None] - q + jnp.arange(q)[None], 0).astype(jnp.int32)
     qtok = jnp.take_along_axis(padded, qpos, axis=1)
     mpos = plen[:, None] + jnp.arange((m - 1) * bs, dtype=jnp.int32)[None]
@@ -112,7 +115,19 @@ def _evict_during_prefill(params, cfg: ModelConfig, policy, cache, padded, plen,
     pos = jnp.concatenate([qpos, mpos], 1)
     out = model_step(params, cfg, toks, pos, _mask_all(b, toks.shape[1]),
                      _dense_segments(cache, cfg.num_layers), jnp.ones(toks.shape, bool))
-    return policy.evict(cache, jnp.zeros_like(out.mass), out.mass * m, keep, capacity, pinned=pinned)
+    return out.mass * m
+
+
+def _evict_during_prefill(params, cfg: ModelConfig, policy, cache, padded, plen, over, capacity):
+    """Bounded prefill: after a chunk is stored, score the cache with the question probe alone and
+    evict rows over capacity down to C(seen), pinning the question span if asked. A policy whose
+    ranking reads no queries (`needs_probe` false) is evicted without the probe forward."""
+    keep = jnp.where(over, jnp.minimum(cache.length, policy.capacity(cache.seen)), cache.length)
+    pinned = _question_pinned(policy, cache, plen)
+    if not policy.needs_probe:  # a ranking that reads no queries (StreamingLLM): no probe forward
+        return policy.evict(cache, None, None, keep, capacity, pinned=pinned)
+    probe = _question_probe_mass(params, cfg, policy, cache, padded, plen)
+    return policy.evict(cache, jnp.zeros_like(probe), probe, keep, capacity, pinned=pinned)
 
 
 def _block_causal_core(params, prompt, plen, key, *, cfg: ModelConfig, gen: ResolvedGeneration,
@@ -177,7 +192,12 @@ def _block_causal_core(params, prompt, plen, key, *, cfg: ModelConfig, gen: Reso
         evictions=jnp.int32(0),
     )
 
-    def run_block(st, x_init, cap_out):
+    # the released schedule with a question probe (MaskAhead.question_tokens > 0): the first
+    # eviction after the prompt probes the question instead of the step-0 block's lookahead
+    question_first = (getattr(policy, "question_tokens", 0) > 0 and policy.needs_probe
+                      and not getattr(policy, "bounded_prefill", False))
+
+    def run_block(st, x_init, cap_out, first=False):
         cache, active = st["cache"], ~st["done"]
         start = st["start"]
         pos = start[:, None] + jnp.arange(bs, dtype=jnp.int32)[None]
@@ -204,10 +224,14 @@ def _block_causal_core(params, prompt, plen, key, *, cfg: ModelConfig, gen: Reso
             do = jnp.any(pending & active)
 
             def evict(c):
-                probe = (_probe_mass(params, cfg, policy, c, x0, start, active, padded, n_pre)
-                         if policy.needs_probe else None)
                 cap = policy.capacity(c.seen)
                 keep = jnp.where(pending & active, jnp.minimum(c.length, cap), c.length)
+                if first and question_first:
+                    probe = _question_probe_mass(params, cfg, policy, c, padded, plen)
+                    return policy.evict(c, out0.mass, probe, keep, cap_out,
+                                        pinned=_question_pinned(policy, c, plen))
+                probe = (_probe_mass(params, cfg, policy, c, x0, start, active, padded, n_pre)
+                         if policy.needs_probe else None)
                 return policy.evict(c, out0.mass, probe, keep, cap_out)
 
             cache = jax.lax.cond(do, evict, lambda c: kvc.resize(c, cap_out), cache)
@@ -259,7 +283,7 @@ def _block_causal_core(params, prompt, plen, key, *, cfg: ModelConfig, gen: Reso
             peak=jnp.maximum(st["peak"], held_bytes(cache)),
             peak_dense=jnp.maximum(st["peak_dense"], dense_bytes(cache)), evictions=n_ev)
 
-    state = run_block(state, first_block, cap1)
+    state = run_block(state, first_block, cap1, first=True)
     mask_block = jnp.full((b, bs), mask_id, jnp.int32)
     state = jax.lax.while_loop(
         lambda s: (s["blk"] < nblk) & ~jnp.all(s["done"]),

@@ -228,3 +228,45 @@ def test_bounded_prefill_bounds_the_peak_and_matches_at_full_budget():
     # holds much more than C + one chunk
     assert max(bounded.stats["kv_bytes_peak"]) < 0.6 * max(plain.stats["kv_bytes_peak"])
     assert bounded.stats["cache_capacity"] <= plain.stats["cache_capacity"]
+
+
+def test_question_probe_on_the_released_schedule():
+    """MaskAhead(question_tokens=N): exact at full budget; its first eviction (and only that one)
+    probes and pins the question span; bad settings are clear errors."""
+    import dataclasses
+
+    m = tiny_model("sdar", num_layers=3)
+    prompts = _prompts((150, 97), seed=3)
+    gc = GenerationConfig(max_new_tokens=40, prefill_chunk=32, stop_at_eos=False)
+    dense = generate(m, prompts, gc)
+    full = MaskAhead(**FULL, question_tokens=16, pin_question=True)
+    assert generate(m, prompts, gc, policy=full).tokens == dense.tokens
+
+    calls = []
+
+    @dataclasses.dataclass(frozen=True)
+    class Recording(MaskAhead):
+        def evict(self, cache, mass0, probe_mass, keep, capacity, pinned=None):
+            out = super().evict(cache, mass0, probe_mass, keep, capacity, pinned=pinned)
+            calls.append((pinned is not None, _kept(out)))
+            return out
+
+    q = 16
+    pol = Recording(**SMALL, question_tokens=q, pin_question=True)
+    with jax.disable_jit():  # eager: each eviction runs once, in order
+        generate(m, prompts, gc, policy=pol, jit=False)
+    assert len(calls) >= 2 and calls[0][0] and not any(p for p, _ in calls[1:])
+    for row, plen in enumerate((150, 97)):
+        n_pre = plen // 8 * 8  # the block-aligned prefix held in the cache at the first eviction
+        span = set(range(plen - q, n_pre))
+        for (l, b, h), kept in calls[0][1].items():
+            if b == row:
+                assert span <= set(kept), (l, h, sorted(span - set(kept)))
+                assert len(kept) == pol.capacity(n_pre) < n_pre  # it did evict
+
+    with pytest.raises(PolicyError, match="question_tokens must be >= 0"):
+        generate(m, prompts, gc, policy=MaskAhead(**SMALL, question_tokens=-1))
+    with pytest.raises(PolicyError, match="needs MaskAhead's lookahead probe"):
+        generate(m, prompts, gc, policy=make("h2o", **SMALL, question_tokens=8))
+    with pytest.raises(PolicyError, match="pin_question needs question_tokens"):
+        generate(m, prompts, gc, policy=MaskAhead(**SMALL, pin_question=True))

@@ -11,6 +11,12 @@ prompt): capacity C = max(floor(capacity_pct% * seen), capacity_floor); a probe 
 step-0 block plus lookahead_blocks - 1 mask blocks adds its mass to the step-0 mass (A); keep the
 `recent` newest entries, positions < `sinks`, and the top C - recent by A_i * ||v_i - c'||;
 survivors are compacted (position order) into a smaller static buffer.
+
+Question probe (ours, off by default; results §2d): with question_tokens = N > 0 the first
+eviction after the prompt probes the prompt's last N tokens at their real positions plus
+lookahead_blocks - 1 mask blocks after the prompt, in place of the step-0 block and its
+lookahead (the step-0 mass is still added); pin_question keeps that span. Bounded prefill
+(below) always probes this way, after every prefill chunk.
 """
 from __future__ import annotations
 
@@ -47,6 +53,8 @@ class MaskAhead(Dense):
     lookahead_blocks: int = 4
     select_ranking: str = "value"  # value: a*||v-c|| | mass: a (MAGE-like) | none: read everything
     evict_ranking: str = "value"  # value | mass | none (no eviction)
+    question_tokens: int = 0  # > 0: the first eviction probes the question's last N tokens
+    pin_question: bool = False  # with question_tokens: that span always survives
 
     needs_stats = True
     with_state = True
@@ -74,6 +82,15 @@ class MaskAhead(Dense):
                 raise PolicyError(f"{f} must be positive, got {getattr(self, f)}")
         if self.sinks < 0 or self.recent < 0 or self.dense_layers < 0:
             raise PolicyError("sinks, recent and dense_layers must be >= 0")
+        if self.question_tokens < 0:
+            raise PolicyError(f"question_tokens must be >= 0, got {self.question_tokens}")
+        if not getattr(self, "bounded_prefill", False):
+            if self.question_tokens and not (self.needs_probe and self.probe_kind == "lookahead"):
+                raise PolicyError(
+                    f"question_tokens={self.question_tokens} needs MaskAhead's lookahead probe "
+                    f"(evict_ranking != 'none', lookahead_blocks > 1); {self.name} has none")
+            if self.pin_question and not self.question_tokens:
+                raise PolicyError("pin_question needs question_tokens > 0 (the span to pin)")
         if self.evicts and self.capacity_floor < self.recent + self.sinks:
             raise PolicyError(
                 f"capacity_floor={self.capacity_floor} is below recent + sinks = "
