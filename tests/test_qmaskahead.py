@@ -95,20 +95,22 @@ def test_cache_ops_match_the_float_round_trip():
 
 
 # ----------------------------------------------------------------------------- generation
-@pytest.mark.parametrize("budget", ["full", "small"])
+@pytest.mark.parametrize("budget", ["full", "small", "question"])
 def test_generate_matches_float_cache_on_dequantized_kv(budget):
     """The packed run (step 0 and dense layers read codes, later steps read the gathered compact
     buffer) == the float-cache run whose appended K/V are quantized -> dequantized. "full": budgets
     cover every token; "small": selection every block and evictions (survivor keys requantized
-    on both sides)."""
+    on both sides); "question": "small" with the first eviction probing and pinning the
+    question."""
     m = _model()
-    kw = FULL if budget == "full" else SMALL
+    kw = {"full": FULL, "small": SMALL,
+          "question": dict(SMALL, question_tokens=48, pin_question=True)}[budget]
     packed = generate(m, _prompts(), GC, policy=QMaskAhead(compact_dtype="float32", **kw))
     sim = generate(m, _prompts(), GC, policy=QMaskAhead(compact_dtype="float32", simulate=True, **kw))
     assert packed.tokens == sim.tokens
     assert all(len(t) == 64 for t in packed.tokens)
     assert packed.stats["live_entries"] == sim.stats["live_entries"]
-    if budget == "small":
+    if budget != "full":
         assert packed.stats["evictions"] >= 3
         assert max(packed.stats["live_entries"]) <= 96 + 32  # C rounded to whole groups + a block
     # same number of slots, 4-bit bytes (72 B/token at D = 32 + 10 B state) vs float32 (256)
