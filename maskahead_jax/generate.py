@@ -163,7 +163,7 @@ def _block_causal_core(params, prompt, plen, key, *, cfg: ModelConfig, gen: Reso
         j = n_pre - 1 - start
         hit = (j >= 0) & (j < chunk)
         last_h = jnp.where(hit[:, None], _row_take(out.hidden, jnp.clip(j, 0, chunk - 1)), last_h)
-        if getattr(policy, "bounded_prefill", False):
+        if policy.bounded_prefill:
             over = cache.length > policy.capacity(cache.seen)
             cache = jax.lax.cond(jnp.any(over), lambda cc: _evict_during_prefill(
                 params, cfg, policy, cc, padded, plen, over, cap0), lambda cc: cc, cache)
@@ -194,8 +194,7 @@ def _block_causal_core(params, prompt, plen, key, *, cfg: ModelConfig, gen: Reso
 
     # the released schedule with a question probe (MaskAhead.question_tokens > 0): the first
     # eviction after the prompt probes the question instead of the step-0 block's lookahead
-    question_first = (getattr(policy, "question_tokens", 0) > 0 and policy.needs_probe
-                      and not getattr(policy, "bounded_prefill", False))
+    question_first = getattr(policy, "question_tokens", 0) > 0 and not policy.bounded_prefill
 
     def run_block(st, x_init, cap_out, first=False):
         cache, active = st["cache"], ~st["done"]

@@ -2,6 +2,8 @@
 cache invariants, memory metric, and errors."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -233,8 +235,6 @@ def test_bounded_prefill_bounds_the_peak_and_matches_at_full_budget():
 def test_question_probe_on_the_released_schedule():
     """MaskAhead(question_tokens=N): exact at full budget; its first eviction (and only that one)
     probes and pins the question span; bad settings are clear errors."""
-    import dataclasses
-
     m = tiny_model("sdar", num_layers=3)
     prompts = _prompts((150, 97), seed=3)
     gc = GenerationConfig(max_new_tokens=40, prefill_chunk=32, stop_at_eos=False)

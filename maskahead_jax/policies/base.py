@@ -11,6 +11,8 @@ its hooks at fixed points of the block loop (see generate.py):
   evict(cache, mass0, probe_mass, probe_valid, capacity)
                                    new cache of `capacity` slots (needs_probe: engine runs the probe)
   observe(cache, mass)             update per-entry state (H2O accumulators)
+  bounded_prefill                  also evict after every stored prefill chunk (with the question
+                                   probe when the policy has one; generate._evict_during_prefill)
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ class Dense:
     evicts = False
     with_state = False
     compresses_prompt = False
+    bounded_prefill = False
     probe_kind = "lookahead"
 
     def stat_rows(self, masked, active):

@@ -84,7 +84,7 @@ class MaskAhead(Dense):
             raise PolicyError("sinks, recent and dense_layers must be >= 0")
         if self.question_tokens < 0:
             raise PolicyError(f"question_tokens must be >= 0, got {self.question_tokens}")
-        if not getattr(self, "bounded_prefill", False):
+        if not self.bounded_prefill:
             if self.question_tokens and not (self.needs_probe and self.probe_kind == "lookahead"):
                 raise PolicyError(
                     f"question_tokens={self.question_tokens} needs MaskAhead's lookahead probe "
