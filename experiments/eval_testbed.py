@@ -189,7 +189,9 @@ def append_result(path, rec: dict) -> None:
 
 def compare_results(paths) -> dict:
     """Per-example scores of several --results files, paired by (cell, example index): each
-    file's mean and a two-sided sign test of it against the first file."""
+    file's mean and a two-sided sign test of it against the first file; "missed_by_all" lists
+    the examples ("cell#index") that no file answers fully right (persistent misses point at
+    the examples, not at one run's noise)."""
     if len(paths) < 2:
         raise SystemExit("--compare needs two or more --results files")
     runs = []
@@ -206,6 +208,8 @@ def compare_results(paths) -> dict:
         t = paired_sign_test(run, base)  # wins: this file scored higher than the base
         out["against"].append(dict(file=path, mean=float(np.mean([run[k] for k in shared])),
                                    base_mean=float(np.mean([base[k] for k in shared])), **t))
+    common = set(base).intersection(*runs[1:])
+    out["missed_by_all"] = [f"{c}#{i}" for c, i in sorted(common) if all(r[(c, i)] < 1 for r in runs)]
     return out
 
 

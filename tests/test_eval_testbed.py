@@ -61,5 +61,12 @@ def test_eval_testbed_results_append_and_resume(tmp_path, capsys):
     (cmp,) = json.loads(capsys.readouterr().out)["against"]
     assert cmp["n"] == 4 and cmp["wins"] + cmp["losses"] == 4 and cmp["ties"] == 0
     assert cmp["mean"] == pytest.approx(1 - cmp["base_mean"]) and 0 < cmp["p"] <= 1
+    # missed_by_all: the examples no file answers fully right
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text(json.dumps(dict(recs[0], scores=[1.0, 0.0, 0.5])) + "\n")
+    b.write_text(json.dumps(dict(recs[0], scores=[0.0, 0.0, 0.0])) + "\n")
+    main(["--compare", str(a), str(b)])
+    cell = recs[0]["cell"]
+    assert json.loads(capsys.readouterr().out)["missed_by_all"] == [f"{cell}#1", f"{cell}#2"]
     with pytest.raises(SystemExit, match="two or more"):
         main(["--compare", str(res)])
