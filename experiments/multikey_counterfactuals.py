@@ -134,7 +134,8 @@ def main(argv=None):
     out = run(model, tok, [int(x) for x in args.lengths.split(",")],
               [float(x) for x in args.depths.split(",")], args.n, args.seed, threshold, args.batch,
               args.every)
-    print(json.dumps({"model": args.model, "threshold": threshold, "n_per_cell": args.n, **out}, indent=1))
+    name = os.path.relpath(args.model, ROOT) if os.path.abspath(args.model).startswith(ROOT) else args.model
+    print(json.dumps({"model": name, "threshold": threshold, "n_per_cell": args.n, **out}, indent=1))
 
 
 if __name__ == "__main__":

@@ -195,13 +195,15 @@ PACKED_WEIGHTS = (0.45, 0.2, 0.2, 0.15)  # their weights, in PACKED_TASKS' order
 def train_sequence(r: random.Random, L: int, tok, answer_weight: float, dense: float = 0.0,
                    copy: float = 0.0, task_weights=TASK_WEIGHTS, packed_weights=PACKED_WEIGHTS,
                    mqar: float = 0.0, mqar_pairs=None, mqar_templates=("list",),
-                   prompt_frac=PROMPT_FRAC, edge_depths: float = 0.0):
+                   prompt_frac=PROMPT_FRAC, edge_depths: float = 0.0, hard_keys: float = 0.0):
     """One clean training sequence of exactly L tokens and its per-token loss weights.
 
     An unpacked needle context takes a fraction U(prompt_frac) of L (the rest: extra questions);
     an evaluation at length n reads an n-token prompt, so a stage of length L trains prompts
     up to prompt_frac[1] * L only. The needle's depth is U(0, 1), or with probability
     `edge_depths` one of the two ends (0: right after [BOS]; 1: right before the question).
+    With probability `hard_keys` a multi-key context holds 1-4 distractor keys that share one
+    word with the asked key (make_multikey's n_sharing).
 
     With probability `dense` the context is packed with facts (many keys, little filler) and
     followed by many questions: MQAR-style data where recall is the main source of
@@ -233,6 +235,8 @@ def train_sequence(r: random.Random, L: int, tok, answer_weight: float, dense: f
             kw["n_digits"] = 3
         elif task == "multikey":
             kw["n_keys"] = max(2, n // 15) if packed else r.randint(2, max(2, min(64, n // 24)))
+            if hard_keys and r.random() < hard_keys:  # (no extra draw at 0: old recipes reproduce)
+                kw["n_sharing"] = r.randint(1, min(4, kw["n_keys"] - 1))
         elif task == "twohop":
             kw["n_decoys"] = max(1, n // 22 - 1) if packed else r.randint(0, max(0, min(8, n // 40 - 1)))
         elif task == "docqa":
@@ -295,12 +299,20 @@ def parse_prompt_frac(text):
                         "0 < LO <= HI < 1", "0.5:0.92")
 
 
+def parse_probability(value, flag: str) -> float:
+    """A probability flag's value (0 <= P <= 1); None -> 0; anything else exits naming `flag`."""
+    try:
+        p = float(value or 0.0)
+    except (TypeError, ValueError):
+        p = -1.0
+    if not 0.0 <= p <= 1.0:
+        raise SystemExit(f"bad {flag} {value!r}: need a probability in [0, 1]")
+    return p
+
+
 def parse_edge_depths(value) -> float:
     """--edge-depths P (0 <= P <= 1); None -> 0."""
-    p = float(value or 0.0)
-    if not 0.0 <= p <= 1.0:
-        raise SystemExit(f"bad --edge-depths {value!r}: need a probability in [0, 1]")
-    return p
+    return parse_probability(value, "--edge-depths")
 
 
 def parse_pairs(text):
@@ -329,7 +341,8 @@ def data_options(args) -> dict:
                 packed_weights=_weights(g("packed_weights"), PACKED_WEIGHTS, "--packed-weights"),
                 mqar=g("mqar_prob") or 0.0, mqar_pairs=parse_pairs(g("mqar_pairs")),
                 mqar_templates=parse_templates(g("mqar_templates")),
-                prompt_frac=parse_prompt_frac(g("prompt_frac")), edge_depths=parse_edge_depths(g("edge_depths")))
+                prompt_frac=parse_prompt_frac(g("prompt_frac")), edge_depths=parse_edge_depths(g("edge_depths")),
+                hard_keys=parse_probability(g("hard_keys"), "--hard-keys"))
 
 
 def check_data_flags(args) -> None:
@@ -763,6 +776,10 @@ def main(argv=None):
     ap.add_argument("--edge-depths", type=float, default=0.0,
                     help="probability that an unpacked needle sits at one of the context's two ends "
                          "(depth 0 or 1; otherwise U(0, 1)): where the shipped testbed scores worst")
+    ap.add_argument("--hard-keys", type=float, default=0.0,
+                    help="probability that a multi-key context holds 1-4 distractor keys sharing one "
+                         "word with the asked key (hard negatives; the shipped testbed's multi-key "
+                         "misses copy such a key's value about half the time)")
     ap.add_argument("--packed-weights", default=None,
                     help="packed contexts: weights of multikey,twohop,longanswer,docqa "
                          f"(default {','.join(map(str, PACKED_WEIGHTS))})")

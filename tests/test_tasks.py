@@ -128,3 +128,17 @@ def test_filler_varied():
 def test_suite_grid(tok):
     exs = list(T.make_suite(tasks=("passkey",), lengths=(512,), depths=(0.0, 1.0), n_per_cell=2, tokenizer=tok))
     assert len(exs) == 4 and {e.depth for e in exs} == {0.0, 1.0}
+
+
+def test_multikey_sharing_keys(tok):
+    """n_sharing distractor keys share exactly one word with the asked key, all keys stay
+    distinct, and n_sharing=0 leaves the suite's examples as they were."""
+    plain = T.generate("multikey", 512, 0.5, 7, tok)
+    assert T.generate("multikey", 512, 0.5, 7, tok, n_sharing=0) == plain
+    ex = T.generate("multikey", 512, 0.5, 7, tok, n_sharing=3)
+    keys = [q.split(" for ", 1)[1].split(" ?")[0] for q, _ in ex.meta["queries"]]
+    assert keys[0] == ex.meta["key"] and len(set(keys)) == len(keys) == plain.meta["n_keys"]
+    asked = keys[0].split()
+    shared = [len(set(k.split()) & set(asked)) for k in keys[1:]]
+    assert shared[:3] == [1, 1, 1] and max(shared) == 1
+    assert ex.score(ex.answer) == 1.0 and ex.prompt.count(f"for {keys[0]} is {ex.answer} .") == 1

@@ -359,7 +359,7 @@ def test_prompt_frac_sets_the_context_share(tok):
 @pytest.mark.parametrize("flag,value", [("--prompt-frac", "0.9:0.5"), ("--prompt-frac", "half"),
                                         ("--task-weights", "1,2"), ("--packed-weights", "a,b,c,d"),
                                         ("--mqar-pairs", "5:2"), ("--mqar-templates", "poem"),
-                                        ("--edge-depths", "1.5"), ("--stages", "0:512"),
+                                        ("--edge-depths", "1.5"), ("--hard-keys", "1.5"), ("--stages", "0:512"),
                                         ("--grow-after", "1,x"), ("--grow-after", "1")])
 def test_bad_data_flags_fail_at_startup(flag, value, monkeypatch):
     """A malformed data flag exits naming the flag before the model is built or anything written."""
@@ -381,6 +381,23 @@ def test_edge_depths_puts_needles_at_the_ends(tok, monkeypatch):
     for _ in range(12):
         tt.train_sequence(r, 256, tok, 3.0, 0.0, 0.0, (1, 1, 1, 1, 0), edge_depths=1.0)
     assert len(depths) == 12 and set(depths) == {0.0, 1.0}
+
+
+def test_hard_keys_share_a_word_with_the_asked_key(tok, monkeypatch):
+    """--hard-keys 1: every multi-key context asks make_multikey for 1-4 keys sharing a word with
+    the asked one; 0 (the default) draws the very same batch as before the flag existed."""
+    base = tt.make_batch(4, 0, 6, 128, tok, _args(seed=0, copy_prob=0.0), dense=0.0)
+    same = tt.make_batch(4, 0, 6, 128, tok, _args(seed=0, copy_prob=0.0, hard_keys=0.0), dense=0.0)
+    for a, b in zip(base, same):
+        np.testing.assert_array_equal(a, b)
+    asked, make = [], T.generate
+    monkeypatch.setattr(tt.T, "generate", lambda *a, **k: asked.append(k.get("n_sharing")) or make(*a, **k))
+    r = random.Random(2)
+    for _ in range(8):
+        tt.train_sequence(r, 512, tok, 3.0, 0.0, 0.0, (0, 1, 0, 0, 0), hard_keys=1.0)
+    assert len(asked) == 8 and all(1 <= k <= 4 for k in asked)
+    with pytest.raises(SystemExit, match="--hard-keys"):
+        tt.data_options(_args(hard_keys=1.5))
 
 
 _CLOCK_CHILD = """

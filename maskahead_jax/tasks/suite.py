@@ -188,11 +188,27 @@ def multikey_question(key: str) -> str:
     return f"what is {MULTIKEY_PHRASE} {key} ? {MULTIKEY_PHRASE} {key} is"
 
 
-def make_multikey(n_tokens: int, depth: float, seed: int, tokenizer=None, n_keys: int = 0) -> Example:
+def share_a_word(r: random.Random, key: str, taken: list[str]) -> str:
+    """A key that shares one word (adjective or noun, at random) with `key` and is not in `taken`."""
+    adj, noun = key.split()
+    while True:
+        other = f"{adj} {r.choice(L.NOUNS)}" if r.random() < 0.5 else f"{r.choice(L.ADJS)} {noun}"
+        if other not in taken:
+            return other
+
+
+def make_multikey(n_tokens: int, depth: float, seed: int, tokenizer=None, n_keys: int = 0,
+                  n_sharing: int = 0) -> Example:
+    """Many "the special magic number for K is V ." facts; the question asks for the first key.
+    `n_sharing` distractor keys share one word with the asked key (hard negatives: a model that
+    matches one word of the key copies their values); 0, the evaluation's setting, leaves the
+    keys as drawn, independent of each other."""
     tok = tokenizer or get_tokenizer()
     r = random.Random(f"multikey:{seed}:{n_tokens}:{depth}")
     n_keys = n_keys or max(4, min(64, n_tokens // 64))
     keys = multikey_keys(r, n_keys)
+    for j in range(1, min(n_sharing + 1, n_keys)):  # (no draw at 0: the suite's examples stay)
+        keys[j] = share_a_word(r, keys[0], keys[:j] + keys[j + 1:])
     vals = [_digits(r, 3) for _ in keys]
     needles = [(depth, multikey_fact(keys[0], vals[0]))]
     for k, v in zip(keys[1:], vals[1:]):
