@@ -16,6 +16,9 @@ example answered wrong is asked again in each variant below, with the same refer
   renamed_key    the asked key renamed, in its fact and in the question, to a key no fact uses
 
 With --every, every example is re-asked (does a variant break answers that were right?).
+Each miss also records where its wrong value came from (`copied_from`): the other key that
+holds it, whether that key shares a word with the asked key, and whether the sentence before
+that fact holds one of the asked key's words ("copied_word_before" counts those that share none).
 A variant that repairs most misses names the cause: position (pad_front), where the fact sits
 (fact_inward), one distractor (no_copied) or the key's own words (renamed_key).
 """
@@ -83,6 +86,22 @@ def counterfactuals(ex: T.Example, wrong_value: str | None = None) -> dict[str, 
     return out
 
 
+def copied_from(ex: T.Example, value: str) -> dict:
+    """Where a wrong value came from: the key of the context's other fact that holds it (None when
+    no fact does), whether that key shares a word with the asked key, and whether the sentence
+    right before that fact holds one of the asked key's words."""
+    sents, i, _ = _parts(ex)
+    hits = [j for j, s in enumerate(sents) if j != i and T.suite.MULTIKEY_PHRASE in s
+            and s.endswith(f" is {value} .")]
+    if not value or value == ex.answer or not hits:
+        return {"copied_key": None}
+    j = hits[0]
+    key = sents[j][len(T.suite.MULTIKEY_PHRASE) + 1:-len(f" is {value} .")]
+    asked = set(ex.meta["key"].split())
+    return {"copied_key": key, "shares_word": bool(asked & set(key.split())),
+            "word_before": bool(j > 0 and asked & set(sents[j - 1].split()))}
+
+
 def _answers(model, tok, prompts: list[str], threshold: float, batch: int) -> list[str]:
     texts = []
     for b in range(0, len(prompts), batch):
@@ -106,13 +125,17 @@ def run(model, tok, lengths, depths, n: int, seed: int, threshold: float, batch:
         wrong = T.suite.first_sentence(t).strip()
         jobs += [(k, v, p) for v, p in counterfactuals(e, wrong).items()]
     again = _answers(model, tok, [p for _, _, p in jobs], threshold, batch)
+    links = [copied_from(e, T.suite.first_sentence(t).strip()) for e, t in missed]
     rows = [{"length": e.context_length, "depth": e.depth, "seed": e.seed, "answer": e.answer,
-             "predicted": T.suite.first_sentence(t).strip(), "right": bool(e.score(t))}
-            for e, t in missed]
+             "predicted": T.suite.first_sentence(t).strip(), "right": bool(e.score(t)), **link}
+            for (e, t), link in zip(missed, links)]
     for (k, v, _), t in zip(jobs, again):
         rows[k][v] = bool(missed[k][0].score(t))
     repaired = {v: [r[v] for r in rows if v in r] for v in VARIANTS}
-    return {"examples": len(exs), "missed": n_missed,
+    located = [r for r in rows if not r["right"] and r["copied_key"]]
+    return {"examples": len(exs), "missed": n_missed, "copied_located": len(located),
+            "copied_shares_word": sum(r["shares_word"] for r in located),
+            "copied_word_before": sum(r["word_before"] and not r["shares_word"] for r in located),
             "repaired": {v: f"{sum(x)}/{len(x)}" for v, x in repaired.items()}, "rows": rows}
 
 

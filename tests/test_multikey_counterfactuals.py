@@ -48,6 +48,18 @@ def test_variants_change_one_thing(depth):
     assert len(_facts(renamed)) == len(_facts(ex.prompt))
 
 
+def test_copied_from_names_the_fact():
+    ex = T.generate("multikey", 512, 1.0, 3, T.get_tokenizer(), n_sharing=1)
+    asked = ex.meta["key"]
+    other = next(s for s in _facts(ex.prompt) if asked.split()[0] + " " in s and asked not in s
+                 or " " + asked.split()[1] + " is" in s and asked not in s)
+    value = other.split(" is ")[-1].rstrip(" .")
+    link = mc.copied_from(ex, value)
+    assert link["copied_key"] in other and link["shares_word"] is True
+    assert mc.copied_from(ex, "not-a-value") == {"copied_key": None}
+    assert mc.copied_from(ex, ex.answer) == {"copied_key": None}
+
+
 def test_no_copied_needs_a_copied_fact():
     ex = T.generate("multikey", 256, 1.0, 0, T.get_tokenizer())
     assert "no_copied" not in mc.counterfactuals(ex, "not-a-value")
@@ -61,6 +73,7 @@ def test_script_json(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["examples"] == 2 and len(out["rows"]) == 2
     assert out["missed"] == sum(not r["right"] for r in out["rows"])
+    assert 0 <= out["copied_shares_word"] + out["copied_word_before"] <= out["copied_located"] <= out["missed"]
     for r in out["rows"]:
         assert {"pad_front", "drop_front", "fact_inward", "renamed_key"} <= set(r)
     for v in ("pad_front", "drop_front", "fact_inward", "renamed_key"):
