@@ -61,6 +61,14 @@ def _parts(ex: T.Example):
     return sents, sents.index(fact), question
 
 
+def _holding(sents: list[str], i: int, value: str | None) -> list[int]:
+    """Indices of the context's facts other than the asked one (sentence i) that hold `value`."""
+    if not value:
+        return []
+    return [j for j, s in enumerate(sents) if j != i and T.suite.MULTIKEY_PHRASE in s
+            and s.endswith(f" is {value} .")]
+
+
 def counterfactuals(ex: T.Example, wrong_value: str | None = None) -> dict[str, str]:
     """The variant prompts of one multi-key example (module docstring); `no_copied` only when
     `wrong_value` is another fact's value in the context."""
@@ -73,11 +81,9 @@ def counterfactuals(ex: T.Example, wrong_value: str | None = None) -> dict[str, 
     rest = sents[:i] + sents[i + 1:]
     j = min(i + SHIFT, len(rest)) if i < len(sents) / 2 else max(i - SHIFT, 0)
     out["fact_inward"] = " ".join(rest[:j] + [fact] + rest[j:] + [question])
-    if wrong_value:
-        copied = [s for s in sents if s != fact and T.suite.MULTIKEY_PHRASE in s
-                  and s.endswith(f" is {wrong_value} .")]
-        if copied:
-            out["no_copied"] = " ".join([s for s in sents if s not in copied] + [question])
+    copied = _holding(sents, i, wrong_value)
+    if copied:
+        out["no_copied"] = " ".join([s for j, s in enumerate(sents) if j not in copied] + [question])
     used = {q.split(" for ", 1)[1].split(" ?")[0] for q, _ in ex.meta["queries"]}
     r = random.Random(f"renamed:{ex.seed}")
     new_key = next(k for k in multikey_keys(r, len(used) + 8) if k not in used)
@@ -91,9 +97,8 @@ def copied_from(ex: T.Example, value: str) -> dict:
     no fact does), whether that key shares a word with the asked key, and whether the sentence
     right before that fact holds one of the asked key's words."""
     sents, i, _ = _parts(ex)
-    hits = [j for j, s in enumerate(sents) if j != i and T.suite.MULTIKEY_PHRASE in s
-            and s.endswith(f" is {value} .")]
-    if not value or value == ex.answer or not hits:
+    hits = _holding(sents, i, value)
+    if value == ex.answer or not hits:
         return {"copied_key": None}
     j = hits[0]
     key = sents[j][len(T.suite.MULTIKEY_PHRASE) + 1:-len(f" is {value} .")]
@@ -120,15 +125,14 @@ def run(model, tok, lengths, depths, n: int, seed: int, threshold: float, batch:
     first = _answers(model, tok, [e.prompt for e in exs], threshold, batch)
     n_missed = sum(not e.score(t) for e, t in zip(exs, first))
     missed = [(e, t) for e, t in zip(exs, first) if every or not e.score(t)]
+    predicted = [T.suite.first_sentence(t).strip() for _, t in missed]
     jobs = []  # (example index in missed, variant, prompt)
-    for k, (e, t) in enumerate(missed):
-        wrong = T.suite.first_sentence(t).strip()
+    for k, ((e, _), wrong) in enumerate(zip(missed, predicted)):
         jobs += [(k, v, p) for v, p in counterfactuals(e, wrong).items()]
     again = _answers(model, tok, [p for _, _, p in jobs], threshold, batch)
-    links = [copied_from(e, T.suite.first_sentence(t).strip()) for e, t in missed]
     rows = [{"length": e.context_length, "depth": e.depth, "seed": e.seed, "answer": e.answer,
-             "predicted": T.suite.first_sentence(t).strip(), "right": bool(e.score(t)), **link}
-            for (e, t), link in zip(missed, links)]
+             "predicted": wrong, "right": bool(e.score(t)), **copied_from(e, wrong)}
+            for (e, t), wrong in zip(missed, predicted)]
     for (k, v, _), t in zip(jobs, again):
         rows[k][v] = bool(missed[k][0].score(t))
     repaired = {v: [r[v] for r in rows if v in r] for v in VARIANTS}

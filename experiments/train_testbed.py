@@ -310,11 +310,6 @@ def parse_probability(value, flag: str) -> float:
     return p
 
 
-def parse_edge_depths(value) -> float:
-    """--edge-depths P (0 <= P <= 1); None -> 0."""
-    return parse_probability(value, "--edge-depths")
-
-
 def parse_pairs(text):
     """"LO:HI" -> (LO, HI), or None for the length-dependent default."""
     if not text:
@@ -341,7 +336,7 @@ def data_options(args) -> dict:
                 packed_weights=_weights(g("packed_weights"), PACKED_WEIGHTS, "--packed-weights"),
                 mqar=g("mqar_prob") or 0.0, mqar_pairs=parse_pairs(g("mqar_pairs")),
                 mqar_templates=parse_templates(g("mqar_templates")),
-                prompt_frac=parse_prompt_frac(g("prompt_frac")), edge_depths=parse_edge_depths(g("edge_depths")),
+                prompt_frac=parse_prompt_frac(g("prompt_frac")), edge_depths=parse_probability(g("edge_depths"), "--edge-depths"),
                 hard_keys=parse_probability(g("hard_keys"), "--hard-keys"))
 
 
