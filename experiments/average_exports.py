@@ -3,9 +3,9 @@
   python experiments/average_exports.py maskahead_jax/testbed runs/bd19/export --weights 0.5,0.5 \
       --out runs/soup
 
-Why: a run fine-tuned from an export trades one skill for another (stages 14-18 of the testbed
-card: retrieval up, the long answer down). Both ends of such a run lie in one basin, so a weighted
-mean of their parameters is a model too, and often keeps what each end was good at. The result is
+Why: a run fine-tuned from an export trades one skill for another (stages 14-18 in
+docs/testbed_history.md: retrieval up, the long answer down). Both ends of such a run lie in one
+basin, so a weighted mean of their parameters is a model too, and often keeps what each end was good at. The result is
 written as an HF-layout folder (config, bfloat16 safetensors, tokenizer), like train_testbed's
 export, and loads with `load_pretrained`.
 """

@@ -14,7 +14,7 @@ forward (the training layout: noisy copy x_t reading the clean copy x0 of earlie
   multikey         multi-key needles in filler
 
 A model that copies but sits near chance on mqar / multikey retrieves values without matching
-their keys (the state of the shipped testbed; see its card).
+their keys (the state of the shipped testbed; see docs/testbed_history.md).
 """
 from __future__ import annotations
 

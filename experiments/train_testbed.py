@@ -55,7 +55,7 @@ BLOCK = 32
 
 
 # The commit threshold an export's config.json carries (and so the held-out probe decodes with): 0.95
-# since Dec 3 (0.85 before; the testbed card's "Decoding threshold 0.95" chose it on validation seeds).
+# since Dec 3 (0.85 before; docs/testbed_history.md's "Decoding threshold 0.95" chose it on validation seeds).
 THRESHOLD = 0.95
 
 

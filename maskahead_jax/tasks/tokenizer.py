@@ -5,7 +5,7 @@ WordPiece model over the closed task lexicon: every lexicon word is one token; e
 numbers fall back to the longest whole-number prefix plus digit pieces ("4821" -> "482 ##1",
 decoded back without spaces); letters a-z / ##a-z are a fallback for words outside the lexicon.
 (Why whole-number tokens: a from-scratch model this small learns to find the right number long
-before it learns to copy a digit sequence in order under parallel decoding; see the testbed card.)
+before it learns to copy a digit sequence in order under parallel decoding; see docs/testbed_history.md.)
 Text is lower-cased. Special tokens: [PAD] 0, [BOS] 1, [EOS] 2, [MASK] 3, [UNK] 4. `encode()`
 prepends [BOS] (post-processor); pass add_special_tokens=False to skip it.
 """
