@@ -14,7 +14,8 @@ engine is the library's cached, jitted `generate` with a KV-cache policy (dense 
 With --results FILE.jsonl every finished cell is appended to FILE (its per-example scores and the
 run's settings) and a rerun with the same settings skips the cells already there, so an
 interrupted evaluation resumes; a FILE written with other settings is refused. Two or more such
-files (e.g. dense and a policy on the same examples) compare with a paired sign test:
+files (e.g. dense and a policy on the same examples) compare with a paired sign test, over
+all shared examples and per cell that changed:
 
   python experiments/eval_testbed.py --compare dense.jsonl maskahead.jsonl
 
@@ -71,7 +72,7 @@ def main(argv=None):
                     help="append each finished cell to this JSONL file and skip the cells it already holds")
     ap.add_argument("--compare", nargs="+", default=None, metavar="RESULTS",
                     help="compare --results files on the examples they share (paired sign test of "
-                         "each file against the first) and exit")
+                         "each file against the first, overall and per changed cell) and exit")
     ap.add_argument("--update-readme", action="store_true",
                     help="write the results into the '## Measured scores' section of the model's README.md")
     args = ap.parse_args(argv)
@@ -187,9 +188,24 @@ def append_result(path, rec: dict) -> None:
         f.write(("\n" if cut else "") + json.dumps(rec) + "\n")
 
 
+def changed_cells(base: dict, run: dict, shared) -> dict:
+    """Per cell where any paired example differs: both means and the sign test over the cell
+    (the cells left out score the same, example by example)."""
+    cells = {}
+    for c in sorted({c for c, _ in shared}):
+        keys = [k for k in shared if k[0] == c]
+        t = paired_sign_test({k: run[k] for k in keys}, {k: base[k] for k in keys})
+        if t["wins"] or t["losses"]:
+            cells[c] = dict(base_mean=round(float(np.mean([base[k] for k in keys])), 4),
+                            mean=round(float(np.mean([run[k] for k in keys])), 4),
+                            wins=t["wins"], losses=t["losses"], p=t["p"])
+    return cells
+
+
 def compare_results(paths) -> dict:
     """Per-example scores of several --results files, paired by (cell, example index): each
-    file's mean and a two-sided sign test of it against the first file; "missed_by_all" lists
+    file's mean and a two-sided sign test of it against the first file, overall and per cell
+    that changed ("changed_cells"); "missed_by_all" lists
     the examples ("cell#index") that no file answers fully right (persistent misses point at
     the examples, not at one run's noise)."""
     if len(paths) < 2:
@@ -207,7 +223,8 @@ def compare_results(paths) -> dict:
             raise SystemExit(f"--compare: {path} shares no (cell, example) with {paths[0]}")
         t = paired_sign_test(run, base)  # wins: this file scored higher than the base
         out["against"].append(dict(file=path, mean=float(np.mean([run[k] for k in shared])),
-                                   base_mean=float(np.mean([base[k] for k in shared])), **t))
+                                   base_mean=float(np.mean([base[k] for k in shared])), **t,
+                                   changed_cells=changed_cells(base, run, shared)))
     common = set(base).intersection(*runs[1:])
     out["missed_by_all"] = [f"{c}#{i}" for c, i in sorted(common) if all(r[(c, i)] < 1 for r in runs)]
     return out

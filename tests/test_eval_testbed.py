@@ -61,12 +61,22 @@ def test_eval_testbed_results_append_and_resume(tmp_path, capsys):
     (cmp,) = json.loads(capsys.readouterr().out)["against"]
     assert cmp["n"] == 4 and cmp["wins"] + cmp["losses"] == 4 and cmp["ties"] == 0
     assert cmp["mean"] == pytest.approx(1 - cmp["base_mean"]) and 0 < cmp["p"] <= 1
+    per_cell = cmp["changed_cells"]  # every example flipped, so every cell changed
+    assert set(per_cell) == {r["cell"] for r in recs}
+    assert sum(c["wins"] + c["losses"] for c in per_cell.values()) == 4
+    for r in recs:  # r holds the flipped scores (the compared file's)
+        mean = sum(r["scores"]) / len(r["scores"])
+        assert per_cell[r["cell"]]["mean"] == pytest.approx(mean, abs=1e-4)
+        assert per_cell[r["cell"]]["base_mean"] == pytest.approx(1 - mean, abs=1e-4)
     # missed_by_all: the examples no file answers fully right
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     a.write_text(json.dumps(dict(recs[0], scores=[1.0, 0.0, 0.5])) + "\n")
     b.write_text(json.dumps(dict(recs[0], scores=[0.0, 0.0, 0.0])) + "\n")
     main(["--compare", str(a), str(b)])
     cell = recs[0]["cell"]
-    assert json.loads(capsys.readouterr().out)["missed_by_all"] == [f"{cell}#1", f"{cell}#2"]
+    out = json.loads(capsys.readouterr().out)
+    assert out["missed_by_all"] == [f"{cell}#1", f"{cell}#2"]
+    assert out["against"][0]["changed_cells"] == {
+        cell: dict(base_mean=0.5, mean=0.0, wins=0, losses=2, p=0.5)}
     with pytest.raises(SystemExit, match="two or more"):
         main(["--compare", str(res)])
