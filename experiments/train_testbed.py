@@ -60,12 +60,17 @@ THRESHOLD = 0.95
 
 
 # ----------------------------------------------------------------------------- model config
+def head_dim(args) -> int:
+    """--head-dim, or d_model / heads when it is not given."""
+    return getattr(args, "head_dim", None) or args.d_model // args.heads
+
+
 def make_config(args, vocab: int) -> ModelConfig:
     if getattr(args, "layout", "qwen3") == "qwen2":  # Fast-dLLM v2 layout: q/k/v biases, no q/k norm
         return ModelConfig(
             family="fast_dllm_v2", layout="qwen2", vocab_size=vocab, hidden_size=args.d_model,
             num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads,
-            head_dim=args.d_model // args.heads, intermediate_size=args.ffn, rms_eps=1e-6,
+            head_dim=head_dim(args), intermediate_size=args.ffn, rms_eps=1e-6,
             rope_theta=args.rope_theta, qk_norm=False, qkv_bias=True,
             tie_embeddings=not getattr(args, "untied", False),
             attention="block_causal", logits_shift=getattr(args, "logits_shift", False), mask_token_id=T.MASK_ID,
@@ -74,7 +79,7 @@ def make_config(args, vocab: int) -> ModelConfig:
     return ModelConfig(
         family="sdar", layout="qwen3", vocab_size=vocab, hidden_size=args.d_model,
         num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads,
-        head_dim=args.d_model // args.heads, intermediate_size=args.ffn, rms_eps=1e-6,
+        head_dim=head_dim(args), intermediate_size=args.ffn, rms_eps=1e-6,
         rope_theta=args.rope_theta, qk_norm=not getattr(args, "no_qk_norm", False),
         tie_embeddings=not getattr(args, "untied", False),
         attention="block_causal", logits_shift=getattr(args, "logits_shift", False), mask_token_id=T.MASK_ID,
@@ -350,6 +355,8 @@ def check_data_flags(args) -> None:
                          "(0: no limit)")
     if parse_grow_after(getattr(args, "grow_after", None)) and not getattr(args, "init_from", None):
         raise SystemExit("--grow-after deepens the model loaded by --init-from; pass --init-from too")
+    if getattr(args, "grow_heads", False) and not getattr(args, "init_from", None):
+        raise SystemExit("--grow-heads widens the model loaded by --init-from; pass --init-from too")
 
 
 def longest_run(flags: np.ndarray) -> np.ndarray:
@@ -662,20 +669,64 @@ def grow_layers(params, after: list[int]):
     return {**params, "layers": jax.tree_util.tree_map_with_path(grow, layers)}
 
 
-def load_init(path: str, like, grow_after=()):
+def grow_heads(params, heads: int, kv_heads: int, key):
+    """Params with more attention heads that compute the same function: new query heads are
+    appended after the old ones and new key/value heads after theirs (the query -> key/value
+    grouping, head h reading kv head h // (heads / kv_heads), must stay the same, so the old heads
+    keep their keys), new projections are random with the spread of the old ones (biases zero),
+    and the new heads' rows of the output projection `wo` are zero: they add nothing to the
+    residual stream until training moves them. Stacked layer groups: [n, d, heads, head_dim]."""
+    out = dict(params)
+    for name in ("layers", "moe_layers"):
+        if name not in params:
+            continue
+        lay = dict(params[name])
+        h, hk = lay["wq"].shape[2], lay["wk"].shape[2]
+        if heads < h or kv_heads < hk or heads * hk != kv_heads * h:
+            raise SystemExit(f"--grow-heads: {h} query / {hk} key-value heads cannot grow into {heads} / "
+                             f"{kv_heads} (need at least as many of each, {h // hk} query heads per "
+                             "key-value head as before)")
+        key, kq, kk, kv = jax.random.split(key, 4)
+
+        def widen(a, k, n_new, axis=2):
+            shape = list(a.shape)
+            shape[axis] = n_new
+            return jnp.concatenate([a, jnp.std(a) * jax.random.normal(k, shape, a.dtype)], axis)
+
+        lay["wq"] = widen(lay["wq"], kq, heads - h)
+        lay["wk"] = widen(lay["wk"], kk, kv_heads - hk)
+        lay["wv"] = widen(lay["wv"], kv, kv_heads - hk)
+        for b, n_new in (("bq", heads - h), ("bk", kv_heads - hk), ("bv", kv_heads - hk)):
+            if b in lay:
+                pad = list(lay[b].shape)
+                pad[1] = n_new
+                lay[b] = jnp.concatenate([lay[b], jnp.zeros(pad, lay[b].dtype)], 1)
+        wo = lay["wo"]  # [n, heads, head_dim, d]
+        lay["wo"] = jnp.concatenate([wo, jnp.zeros((wo.shape[0], heads - h) + wo.shape[2:], wo.dtype)], 1)
+        out[name] = lay
+    return out
+
+
+def load_init(path: str, like, grow_after=(), widen_heads: bool = False, seed: int = 0):
     """The float32 params of an exported folder (deepened by grow_layers when `grow_after` names
-    layers), checked against `like` (the configured model)."""
+    layers, given `like`'s head counts by grow_heads when `widen_heads`), checked against `like`
+    (the configured model)."""
     from maskahead_jax.api import load_pretrained
 
     loaded = load_pretrained(path, dtype="float32").params
     if grow_after:
         loaded = grow_layers(loaded, list(grow_after))
+    if widen_heads:
+        group = like.get("layers", like.get("moe_layers"))
+        loaded = grow_heads(loaded, group["wq"].shape[2], group["wk"].shape[2],
+                            jax.random.PRNGKey(seed + 1))
     want = jax.tree_util.tree_map(lambda a: a.shape, like)
     got = jax.tree_util.tree_map(lambda a: a.shape, loaded)
     if want != got:
         raise SystemExit(f"--init-from {path}: parameter shapes {got} do not match the "
                          f"configured model {want} (pass the same --layers/--d-model/... it was trained with; "
-                         f"with --grow-after, --layers counts the new layers too)")
+                         f"with --grow-after, --layers counts the new layers too; with --grow-heads, "
+                         f"--heads/--kv-heads the new heads and --head-dim stays the loaded one)")
     return loaded
 
 
@@ -732,6 +783,7 @@ def main(argv=None):
     ap.add_argument("--d-model", type=int, default=128)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--head-dim", type=int, default=None, help="default: --d-model / --heads")
     ap.add_argument("--ffn", type=int, default=384)
     ap.add_argument("--rope-theta", type=float, default=10000.0)
     ap.add_argument("--vocab", type=int, default=1536)
@@ -798,6 +850,10 @@ def main(argv=None):
                     help="with --init-from: insert a new layer after each of these original layers "
                          "(e.g. 1,3; a copy with zeroed output projections, so the deeper model starts "
                          "as the loaded one); --layers is the new total")
+    ap.add_argument("--grow-heads", action="store_true",
+                    help="with --init-from: widen the loaded model's attention to --heads/--kv-heads "
+                         "(pass its --head-dim; new heads' output projections start at zero, so the "
+                         "wider model starts as the loaded one; see grow_heads)")
     ap.add_argument("--workers", type=int, default=0,
                     help="build batches in this many CPU processes ahead of the step (0: inline)")
     ap.add_argument("--wall-minutes", type=float, default=None,
@@ -816,7 +872,7 @@ def main(argv=None):
     cfg = make_config(args, args.vocab)
     params = init_params(cfg, jax.random.PRNGKey(args.seed))
     if args.init_from:
-        params = load_init(args.init_from, params, parse_grow_after(args.grow_after))
+        params = load_init(args.init_from, params, parse_grow_after(args.grow_after), args.grow_heads, args.seed)
         print(f"initialized from {args.init_from}", flush=True)
         init_cfg = os.path.join(args.init_from, "config.json")
         init_shift = False

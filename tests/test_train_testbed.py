@@ -356,16 +356,51 @@ def test_prompt_frac_sets_the_context_share(tok):
     assert tt.parse_prompt_frac("0.5:0.92") == (0.5, 0.92) and tt.parse_prompt_frac(None) == tt.PROMPT_FRAC
 
 
+def test_grow_heads_keeps_the_function_and_trains_the_new_heads(tmp_path, tok):
+    """--grow-heads: the wider model computes what the loaded one does (the new heads' rows of `wo`
+    are zero and the old query heads keep their key/value heads) and one step moves those rows."""
+    small = tt.make_config(_args(), 1536)  # 2 query heads, 1 key-value head, head_dim 16
+    params = init_params(small, jax.random.PRNGKey(3))
+    wide_cfg = tt.make_config(_args(heads=4, kv_heads=2, head_dim=16), 1536)
+    assert wide_cfg.head_dim == small.head_dim == 16
+    grown = tt.grow_heads(params, 4, 2, jax.random.PRNGKey(4))
+    assert jax.tree_util.tree_map(np.shape, grown) == jax.tree_util.tree_map(
+        np.shape, init_params(wide_cfg, jax.random.PRNGKey(0)))
+    np.testing.assert_array_equal(grown["layers"]["wq"][:, :, :2], params["layers"]["wq"])
+    assert np.all(np.std(grown["layers"]["wk"][:, :, 1:]) > 0)  # new keys are not zero
+    assert not np.any(grown["layers"]["wo"][:, 2:])
+    toks = np.asarray([[T.BOS_ID] + list(range(10, 70))], np.int32)
+    np.testing.assert_allclose(forward_logits(grown, wide_cfg, toks), forward_logits(params, small, toks),
+                               rtol=1e-5, atol=1e-5)
+
+    out = tt.export_hf(params, small, str(tmp_path))  # through --init-from's loader
+    loaded = tt.load_init(out, init_params(wide_cfg, jax.random.PRNGKey(0)), (), widen_heads=True)
+    exported = tt.load_init(out, init_params(small, jax.random.PRNGKey(0)))  # (bfloat16 on disk)
+    np.testing.assert_allclose(forward_logits(loaded, wide_cfg, toks), forward_logits(exported, small, toks),
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(SystemExit, match="shapes"):
+        tt.load_init(out, init_params(wide_cfg, jax.random.PRNGKey(0)))  # 2 heads into 4, not grown
+    with pytest.raises(SystemExit, match="cannot grow"):
+        tt.grow_heads(params, 3, 2, jax.random.PRNGKey(0))  # the grouping would change
+
+    opt = optax.adamw(1e-3)
+    step = tt.make_train_step(wide_cfg, opt, 64)
+    batch = tt.make_batch(0, 0, 2, 64, tok, _args(heads=4, kv_heads=2, head_dim=16))
+    new, _, loss, _ = step(grown, opt.init(grown), *batch)
+    assert np.isfinite(float(loss)) and np.any(new["layers"]["wo"][:, 2:])
+
+
 @pytest.mark.parametrize("flag,value", [("--prompt-frac", "0.9:0.5"), ("--prompt-frac", "half"),
                                         ("--task-weights", "1,2"), ("--packed-weights", "a,b,c,d"),
                                         ("--mqar-pairs", "5:2"), ("--mqar-templates", "poem"),
                                         ("--edge-depths", "1.5"), ("--hard-keys", "1.5"), ("--stages", "0:512"),
-                                        ("--grow-after", "1,x"), ("--grow-after", "1")])
+                                        ("--grow-after", "1,x"), ("--grow-after", "1"),
+                                        ("--grow-heads", None)])
 def test_bad_data_flags_fail_at_startup(flag, value, monkeypatch):
     """A malformed data flag exits naming the flag before the model is built or anything written."""
     monkeypatch.setattr(tt, "init_params", lambda *a, **k: pytest.fail("built the model"))
     with pytest.raises(SystemExit, match=flag if flag != "--stages" else "bad stage"):
-        tt.main([flag, value, "--run-dir", "/nonexistent/run"])
+        tt.main([flag] + ([value] if value is not None else []) + ["--run-dir", "/nonexistent/run"])
 
 
 def test_edge_depths_puts_needles_at_the_ends(tok, monkeypatch):
