@@ -669,6 +669,13 @@ def grow_layers(params, after: list[int]):
     return {**params, "layers": jax.tree_util.tree_map_with_path(grow, layers)}
 
 
+def _append_heads(a, n_new: int, axis: int, key=None):
+    """`a` with n_new heads appended on `axis`: random with a's spread (`key` given) or zeros."""
+    shape = a.shape[:axis] + (n_new,) + a.shape[axis + 1:]
+    extra = jnp.std(a) * jax.random.normal(key, shape, a.dtype) if key is not None else jnp.zeros(shape, a.dtype)
+    return jnp.concatenate([a, extra], axis)
+
+
 def grow_heads(params, heads: int, kv_heads: int, key):
     """Params with more attention heads that compute the same function: new query heads are
     appended after the old ones and new key/value heads after theirs (the query -> key/value
@@ -686,23 +693,13 @@ def grow_heads(params, heads: int, kv_heads: int, key):
             raise SystemExit(f"--grow-heads: {h} query / {hk} key-value heads cannot grow into {heads} / "
                              f"{kv_heads} (need at least as many of each, {h // hk} query heads per "
                              "key-value head as before)")
-        key, kq, kk, kv = jax.random.split(key, 4)
-
-        def widen(a, k, n_new, axis=2):
-            shape = list(a.shape)
-            shape[axis] = n_new
-            return jnp.concatenate([a, jnp.std(a) * jax.random.normal(k, shape, a.dtype)], axis)
-
-        lay["wq"] = widen(lay["wq"], kq, heads - h)
-        lay["wk"] = widen(lay["wk"], kk, kv_heads - hk)
-        lay["wv"] = widen(lay["wv"], kv, kv_heads - hk)
-        for b, n_new in (("bq", heads - h), ("bk", kv_heads - hk), ("bv", kv_heads - hk)):
-            if b in lay:
-                pad = list(lay[b].shape)
-                pad[1] = n_new
-                lay[b] = jnp.concatenate([lay[b], jnp.zeros(pad, lay[b].dtype)], 1)
-        wo = lay["wo"]  # [n, heads, head_dim, d]
-        lay["wo"] = jnp.concatenate([wo, jnp.zeros((wo.shape[0], heads - h) + wo.shape[2:], wo.dtype)], 1)
+        key, *keys = jax.random.split(key, 4)
+        new = {"q": heads - h, "k": kv_heads - hk, "v": kv_heads - hk}
+        for (p, n_new), k in zip(new.items(), keys):
+            lay[f"w{p}"] = _append_heads(lay[f"w{p}"], n_new, 2, k)  # [n, d, heads, head_dim]
+            if f"b{p}" in lay:
+                lay[f"b{p}"] = _append_heads(lay[f"b{p}"], n_new, 1)  # [n, heads, head_dim]
+        lay["wo"] = _append_heads(lay["wo"], heads - h, 1)  # [n, heads, head_dim, d]
         out[name] = lay
     return out
 
