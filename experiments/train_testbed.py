@@ -560,7 +560,10 @@ class BatchPrefetcher:
     """Builds batches in `workers` spawned CPU processes, `ahead` steps in advance.
 
     Batch contents depend only on (seed, step, B, L, dense), so a prefetched batch equals the one
-    make_batch would build inline; a stage change discards the batches queued for the old shape."""
+    make_batch would build inline. `get` takes the current stage's schedule, shape_of(step) ->
+    (B, L, dense), and queues each future step with its own shape, so a stage that alternates
+    lengths step by step is prefetched as well as a one-length stage; at a stage change the queued
+    batches whose shape the new schedule no longer gives are dropped and built again."""
 
     def __init__(self, args, workers: int, ahead: int = 0):
         import multiprocessing as mp
@@ -575,14 +578,20 @@ class BatchPrefetcher:
             else:
                 os.environ["JAX_PLATFORMS"] = saved
         self.ahead = ahead or 2 * workers
-        self.queue = []  # [(step, shape, AsyncResult)]
+        self.queue = []  # [(step, (B, L, dense), AsyncResult)], consecutive steps
 
-    def get(self, step: int, B: int, L: int, dense: float):
-        shape = (B, L, dense)
-        self.queue = [q for q in self.queue if q[1] == shape and q[0] >= step]
+    def get(self, step: int, shape_of):
+        """The batch of `step`; shape_of(s) -> (B, L, dense) is the schedule from `step` on."""
+        # keep the queued run of steps from `step` on that the schedule still agrees with
+        q = [e for e in self.queue if e[0] >= step]
+        keep = 0
+        while keep < len(q) and q[keep][0] == step + keep and q[keep][1] == shape_of(step + keep):
+            keep += 1
+        self.queue = q[:keep]
         nxt = self.queue[-1][0] + 1 if self.queue else step
         while nxt < step + self.ahead:
-            self.queue.append((nxt, shape, self.pool.apply_async(_worker_batch, (nxt, B, L, dense))))
+            shape = shape_of(nxt)
+            self.queue.append((nxt, shape, self.pool.apply_async(_worker_batch, (nxt, *shape))))
             nxt += 1
         s, _, res = self.queue.pop(0)
         assert s == step
@@ -746,8 +755,8 @@ def curriculum(frac: float, stages, current: int = 0, heldout: float = 1.0, gate
 def parse_stages(s: str):
     """"start:L:B[:packed],..." -> [(start, ((L, B), ...), packed)]. A stage may alternate
     lengths step by step: "0.8:512|2560:8|2:0.3" trains 512 x 8 and 2560 x 2 in turn (keeps the
-    short contexts' skills while the long ones are trained; with --workers each step of it has
-    another shape, so the prefetched batches are discarded and built again)."""
+    short contexts' skills while the long ones are trained; --workers prefetch each step with its
+    own shape)."""
     out = []
     for part in s.split(","):
         f = part.split(":")
@@ -857,7 +866,7 @@ def main(argv=None):
                     help="stop after this much wall-clock time in this run (evals included), then save and export")
     ap.add_argument("--export-minutes", type=float, default=None,
                     help="also export to --out every this many training minutes")
-    ap.add_argument("--final-lengths", default="512,1024", help="held-out eval lengths after training")
+    ap.add_argument("--final-lengths", default="512,1024", help="held-out eval lengths after training (empty: none)")
     args = ap.parse_args(argv)
     check_data_flags(args)
 
@@ -951,7 +960,8 @@ def main(argv=None):
         lr = args.lr * min(1.0, (step + 1) / args.warmup) * decay
         opt_state.hyperparams["learning_rate"] = jnp.asarray(lr, jnp.float32)
         if prefetch:
-            xt, x0, masked, w = prefetch.get(step, B, L, dense)
+            st = stages[stage]
+            xt, x0, masked, w = prefetch.get(step, lambda s: (*stage_shape(st, s)[::-1], st[2]))
         else:
             xt, x0, masked, w = make_batch(step, args.seed, B, L, tok, args, dense)
         params, opt_state, loss, acc = steps_fns[L](params, opt_state, xt, x0, masked, w)
@@ -992,9 +1002,9 @@ def main(argv=None):
         res = heldout_eval(params, cfg, pred, tok, 128, n=args.eval_n)
         print(f"smoke done: step {step} loss {ema:.3f} heldout@128 {res}")
         return 0
+    export_hf(params, cfg, args.out)  # first: the weights are out even if the checkpoint fails
     save()
-    export_hf(params, cfg, args.out)
-    for Lf in (int(x) for x in args.final_lengths.split(",")):
+    for Lf in (int(x) for x in args.final_lengths.split(",") if x.strip()):
         res = heldout_eval(params, cfg, pred, tok, Lf, n=32)
         print(f"[final eval] L={Lf} {res}", flush=True)
         log({"step": step, "final_eval": res, "eval_L": Lf})

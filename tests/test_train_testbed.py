@@ -67,15 +67,22 @@ def test_make_batch_noise(tok):
 
 
 def test_prefetched_batches_equal_inline_batches(tok):
-    """Worker processes build exactly the batch make_batch builds inline, across a shape change."""
+    """Worker processes build exactly the batch make_batch builds inline: through a stage that
+    alternates two shapes step by step (each queued step keeps its own shape, none rebuilt) and
+    across a stage change (the queued batches of the old schedule dropped)."""
     args = _args(seed=3)
+    alternating = lambda s: [(2, 64, 0.5), (3, 128, 0.2)][s % 2]  # noqa: E731
+    single = lambda s: (1, 96, 0.3)  # noqa: E731
     pf = tt.BatchPrefetcher(args, workers=1, ahead=3)
     try:
-        for step, (B, L, dense) in [(0, (2, 64, 0.5)), (1, (2, 64, 0.5)), (2, (3, 128, 0.2)), (3, (3, 128, 0.2))]:
-            got = pf.get(step, B, L, dense)
+        for step in range(6):
+            schedule = alternating if step < 4 else single
+            got = pf.get(step, schedule)
+            B, L, dense = schedule(step)
             want = tt.make_batch(step, args.seed, B, L, tok, args, dense)
             for g, w in zip(got, want):
                 np.testing.assert_array_equal(g, w)
+            assert [(s, shape) for s, shape, _ in pf.queue] == [(s, schedule(s)) for s in range(step + 1, step + 3)]
     finally:
         pf.close()
 
