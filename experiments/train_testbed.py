@@ -29,6 +29,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -776,6 +777,12 @@ def stage_shape(stage, step: int):
     return shapes[step % len(shapes)]
 
 
+def batch_shape(stage, step: int):
+    """(B, L, dense) of a parsed stage's batch at this step: what make_batch and the prefetcher take."""
+    L, B = stage_shape(stage, step)
+    return B, L, stage[2]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--minutes", type=float, default=175.0, help="training time budget (all runs together)")
@@ -952,16 +959,14 @@ def main(argv=None):
     while elapsed < budget and time.time() - wall_start < wall_limit:
         frac = elapsed / budget
         stage = curriculum(frac, stages, stage, heldout, args.gate)
-        L, B = stage_shape(stages[stage], step)
-        dense = stages[stage][2]
+        B, L, dense = batch_shape(stages[stage], step)
         if L not in steps_fns:
             steps_fns[L] = make_train_step(cfg, opt, L)
         decay = 1.0 if args.constant_lr else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac))
         lr = args.lr * min(1.0, (step + 1) / args.warmup) * decay
         opt_state.hyperparams["learning_rate"] = jnp.asarray(lr, jnp.float32)
         if prefetch:
-            st = stages[stage]
-            xt, x0, masked, w = prefetch.get(step, lambda s: (*stage_shape(st, s)[::-1], st[2]))
+            xt, x0, masked, w = prefetch.get(step, functools.partial(batch_shape, stages[stage]))
         else:
             xt, x0, masked, w = make_batch(step, args.seed, B, L, tok, args, dense)
         params, opt_state, loss, acc = steps_fns[L](params, opt_state, xt, x0, masked, w)
