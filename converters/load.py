@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 from typing import Any, Optional, Sequence
 
 import jax
@@ -191,28 +192,66 @@ def load_model(path: str, dtype=None, progress: bool = False, mesh=None) -> Mode
     return Model(cfg, load_hf_params(path, cfg, dtype=dtype, progress=progress, shardings=shardings))
 
 
-def convert(src: str, dst: str, dtype=None, progress: bool = True, overwrite: bool = False) -> str:
-    """Convert `src` (HF or converted folder) into an orbax folder at `dst`; returns `dst`.
+def _check_paths(src: str, dst: str) -> None:
+    """Refuse a destination that is the source, lies inside it, or holds it."""
+    s, d = os.path.realpath(src), os.path.realpath(dst)
+    if s == d:
+        raise CheckpointError(f"destination {dst} is the source folder {src}; convert into another folder")
+    if os.path.commonpath([s, d]) == s:
+        raise CheckpointError(f"destination {dst} lies inside the source folder {src}")
+    if os.path.commonpath([s, d]) == d:
+        raise CheckpointError(f"source {src} lies inside the destination folder {dst}")
+    if os.path.exists(dst) and not os.path.isdir(dst):
+        raise CheckpointError(f"destination {dst} is a file, not a folder")
 
-    The non-weight files of `src` (config.json, tokenizer, generation config) are copied along.
-    """
-    if os.path.exists(dst) and os.listdir(dst):
-        if not overwrite:
-            raise CheckpointError(f"destination {dst} exists and is not empty (use overwrite / --force)")
-        shutil.rmtree(dst)
-    model = load_model(src, dtype=dtype, progress=progress)
-    os.makedirs(dst, exist_ok=True)
+
+def _write_converted(model: Model, src: str, out: str) -> None:
+    """Write `model` and the non-weight files of `src` into the (empty) folder `out`."""
     skip = {os.path.basename(f) for f in weight_files(src)} | {
         "model.safetensors.index.json", "pytorch_model.bin.index.json", MARKER}
     for name in os.listdir(src):
         full = os.path.join(src, name)
         if os.path.isfile(full) and name not in skip:
-            shutil.copy2(full, os.path.join(dst, name))
-    save_orbax(model.params, os.path.join(dst, PARAMS_DIR))
+            shutil.copy2(full, os.path.join(out, name))
+    save_orbax(model.params, os.path.join(out, PARAMS_DIR))
     leaf = jax.tree_util.tree_leaves(model.params)[0]
-    with open(os.path.join(dst, MARKER), "w") as f:
+    with open(os.path.join(out, MARKER), "w") as f:
         json.dump({"format": FORMAT, "version": 1, "dtype": str(leaf.dtype),
                    "family": model.config.family, "layout": model.config.layout}, f, indent=1)
+
+
+def convert(src: str, dst: str, dtype=None, progress: bool = True, overwrite: bool = False) -> str:
+    """Convert `src` (HF or converted folder) into an orbax folder at `dst`; returns `dst`.
+
+    The non-weight files of `src` (config.json, tokenizer, generation config) are copied along.
+    `src` is read and validated in full before `dst` is touched; the result is written to a
+    hidden sibling folder and renamed into place, so a failure leaves `dst` as it was.
+    """
+    _check_paths(src, dst)
+    if os.path.isdir(dst) and os.listdir(dst) and not overwrite:
+        raise CheckpointError(f"destination {dst} exists and is not empty (use overwrite / --force)")
+    model = load_model(src, dtype=dtype, progress=progress)
+    parent, name = os.path.split(os.path.abspath(dst))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
+    old = tmp.replace(".tmp-", ".old-")
+    try:
+        _write_converted(model, src, tmp)
+        if os.path.exists(dst):
+            os.rename(dst, old)
+        try:
+            os.rename(tmp, dst)
+        except BaseException:
+            if os.path.exists(old):
+                os.rename(old, dst)
+            raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if os.path.islink(old):
+        os.unlink(old)
+    else:
+        shutil.rmtree(old, ignore_errors=True)
     return dst
 
 
@@ -224,7 +263,7 @@ def cli_convert(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("dst", help="output folder")
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                     help="parameter dtype (default: the checkpoint's)")
-    ap.add_argument("--force", action="store_true", help="overwrite a non-empty DST")
+    ap.add_argument("--force", action="store_true", help="replace a non-empty DST (only once SRC has converted)")
     args = ap.parse_args(argv)
     try:
         out = convert(args.src, args.dst, dtype=args.dtype, overwrite=args.force)

@@ -284,3 +284,95 @@ def test_cli_reports_errors(tmp_path, good, capsys):
     path = _write(tmp_path, good, drop=["model.norm.weight"])
     assert cli_convert([path, str(tmp_path / "out")]) == 1
     assert "missing key" in capsys.readouterr().err and not os.path.exists(tmp_path / "out")
+
+
+# ------------------------------------------------------------------ convert never loses a folder
+
+
+def _tree(path) -> dict:
+    """{relative path: bytes} of every file under `path`."""
+    out = {}
+    for root, _, files in os.walk(path):
+        for f in files:
+            full = os.path.join(root, f)
+            out[os.path.relpath(full, path)] = open(full, "rb").read()
+    return out
+
+
+def _stray(parent) -> list:
+    """Temporary folders `convert` left beside its destination."""
+    return [f for f in os.listdir(parent) if ".tmp-" in f or ".old-" in f]
+
+
+@pytest.mark.parametrize("bad", ["missing", "corrupt"])
+def test_convert_force_with_bad_source_keeps_destination(tmp_path, good, bad, capsys):
+    """--force must not delete DST before SRC has converted: a typo'd or corrupt SRC leaves it whole."""
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    (dst / "notes.txt").write_text("precious")
+    src = str(tmp_path / "nowhere")
+    if bad == "corrupt":
+        src = _write(tmp_path, good)
+        f = os.path.join(src, "model.safetensors")
+        data = open(f, "rb").read()
+        open(f, "wb").write(data[: len(data) // 2])
+    before = _tree(src) if bad == "corrupt" else None
+    assert cli_convert([src, str(dst), "--force"]) == 1
+    assert "maskahead convert: error" in capsys.readouterr().err
+    assert _tree(dst) == {"notes.txt": b"precious"}
+    if before is not None:
+        assert _tree(src) == before
+    assert _stray(tmp_path) == []
+
+
+def test_convert_failed_write_keeps_destination(tmp_path, good, monkeypatch):
+    """A failure while writing (here: the orbax save) removes the temp folder and keeps DST."""
+    import converters.load as L
+
+    src = _write(tmp_path, good)
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    (dst / "notes.txt").write_text("precious")
+
+    def broken_save(params, path):
+        os.makedirs(path)
+        raise OSError("disk full")
+
+    monkeypatch.setattr(L, "save_orbax", broken_save)
+    with pytest.raises(OSError, match="disk full"):
+        L.convert(src, str(dst), overwrite=True, progress=False)
+    assert _tree(dst) == {"notes.txt": b"precious"} and _stray(tmp_path) == []
+
+
+def test_convert_refuses_source_as_destination(tmp_path, good, capsys):
+    src = _write(tmp_path, good)
+    before = _tree(src)
+    os.symlink(src, tmp_path / "alias")
+    for dst in (src, src + "/", str(tmp_path / "alias")):
+        assert cli_convert([src, dst, "--force"]) == 1
+        err = capsys.readouterr().err
+        assert "is the source folder" in err and len(err.strip().splitlines()) == 1
+    assert _tree(src) == before
+    assert mj.load_pretrained(src).config.num_layers == 2
+
+
+def test_convert_refuses_nested_folders(tmp_path, good, capsys):
+    src = _write(tmp_path, good)
+    before = _tree(src)
+    assert cli_convert([src, os.path.join(src, "out"), "--force"]) == 1
+    assert "lies inside the source folder" in capsys.readouterr().err
+    assert not os.path.exists(os.path.join(src, "out"))
+    assert cli_convert([src, str(tmp_path), "--force"]) == 1  # deleting DST would delete SRC
+    assert "lies inside the destination folder" in capsys.readouterr().err
+    assert _tree(src) == before
+
+
+def test_convert_force_replaces_destination_atomically(tmp_path, good):
+    src = _write(tmp_path, good)
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    (dst / "stale.txt").write_text("old")
+    assert cli_convert([src, str(dst), "--force"]) == 0
+    assert is_converted(str(dst)) and not (dst / "stale.txt").exists()
+    assert _stray(tmp_path) == []
+    assert mj.load_pretrained(str(dst)).config == mj.load_pretrained(src).config
