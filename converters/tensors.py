@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import struct
 from dataclasses import dataclass
 from typing import Callable
@@ -82,6 +83,18 @@ def _safetensors_entries(path: str) -> dict[str, TensorRef]:
     return out
 
 
+def _torch_error(name: str, e: Exception) -> CheckpointError:
+    """Why a torch file could not be read. torch's weights-only refusal is restated without its
+    advice to retry with weights_only=False (unpickling arbitrary objects runs the file's code)."""
+    if not (isinstance(e, pickle.UnpicklingError) or "weights_only" in str(e)):
+        return CheckpointError(f"cannot read torch checkpoint {name}: {e}")
+    why = next((line.strip().rstrip(".") for line in str(e).splitlines() if "unsupported" in line.lower()), "")
+    return CheckpointError(f"torch checkpoint {name} holds pickled objects other than tensors"
+                           f"{f' ({why})' if why else ''}; they are not loaded, since unpickling them "
+                           "could run code from the file. Convert the checkpoint to safetensors "
+                           "where you trust it, and load that")
+
+
 def _torch_entries(path: str) -> dict[str, TensorRef]:
     try:
         import torch
@@ -95,9 +108,9 @@ def _torch_entries(path: str) -> dict[str, TensorRef]:
         try:
             sd = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:
-            raise CheckpointError(f"cannot read torch checkpoint {name}: {e}") from None
+            raise _torch_error(name, e) from None
     except Exception as e:
-        raise CheckpointError(f"cannot read torch checkpoint {name}: {e}") from None
+        raise _torch_error(name, e) from None
     if not isinstance(sd, dict):
         raise CheckpointError(f"torch checkpoint {name} holds a {type(sd).__name__}, not a state dict")
 

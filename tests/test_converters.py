@@ -376,3 +376,30 @@ def test_convert_force_replaces_destination_atomically(tmp_path, good):
     assert is_converted(str(dst)) and not (dst / "stale.txt").exists()
     assert _stray(tmp_path) == []
     assert mj.load_pretrained(str(dst)).config == mj.load_pretrained(src).config
+
+
+class _RunsCode:
+    """Unpickling this makes a folder: the sign that code from a checkpoint ran."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.mkdir, (self.marker,)
+
+
+def test_torch_pickle_with_code_is_refused_without_weights_only_advice(tmp_path, good):
+    """torch's refusal says to retry with weights_only=False (which would run the file's code);
+    ours must not, and must point at safetensors instead."""
+    sd, cfg = good
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(cfg))
+    marker = str(tmp_path / "code_ran")
+    torch.save({**sd, "evil": _RunsCode(marker)}, str(path / "pytorch_model.bin"))
+    with pytest.raises(CheckpointError) as e:
+        mj.load_pretrained(str(path))
+    msg = str(e.value)
+    assert "pytorch_model.bin" in msg and "safetensors" in msg
+    assert "weights_only" not in msg
+    assert not os.path.exists(marker)

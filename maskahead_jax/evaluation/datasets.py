@@ -14,6 +14,7 @@ import dataclasses
 import glob
 import json
 import os
+import warnings
 from typing import Any, Iterable, Optional, Sequence
 
 from .. import metrics
@@ -71,14 +72,21 @@ class EvalExample:
 
 
 class Tokenizer:
-    """A thin wrapper over a `tokenizers.Tokenizer` or a transformers tokenizer."""
+    """A thin wrapper over a `tokenizers.Tokenizer` or a transformers tokenizer.
 
-    def __init__(self, tok, hf: bool = False, name: str = ""):
+    chat_template / special_tokens: a `tokenizers.Tokenizer` has no chat template of its own;
+    one read from tokenizer_config.json is rendered here (sandboxed jinja2, as transformers does)."""
+
+    def __init__(self, tok, hf: bool = False, name: str = "", chat_template: Optional[str] = None,
+                 special_tokens: Optional[dict] = None):
         self.tok, self.hf, self.name = tok, hf, name
+        self.chat_template, self.special_tokens = chat_template, dict(special_tokens or {})
 
     @property
     def has_chat_template(self) -> bool:
-        return bool(self.hf and getattr(self.tok, "chat_template", None))
+        if self.hf:
+            return bool(getattr(self.tok, "chat_template", None))
+        return bool(self.chat_template)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list:
         if self.hf:
@@ -93,8 +101,10 @@ class Tokenizer:
 
     def chat(self, text: str) -> str:
         """The user message wrapped by the chat template (with the generation prompt)."""
-        return self.tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                            add_generation_prompt=True)
+        messages = [{"role": "user", "content": text}]
+        if self.hf:
+            return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return _render_chat(self.chat_template, messages, **self.special_tokens)
 
     def encode_prompt(self, text: str, chat: bool = True) -> list:
         if chat and self.has_chat_template:
@@ -103,20 +113,76 @@ class Tokenizer:
         return self.encode(text)
 
 
+def _render_chat(template: str, messages: list, **special_tokens) -> str:
+    """Render a chat template in jinja2's sandbox with transformers' settings and helpers."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(template).render(messages=messages, add_generation_prompt=True, **special_tokens)
+
+
+_SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token", "mask_token")
+
+
+def _tokenizers_fallback(model_dir: str, config: dict, why: str) -> Tokenizer:
+    """tokenizer.json through `tokenizers` (no checkpoint code), keeping the config's chat template."""
+    from ..tasks import get_tokenizer
+
+    path = os.path.join(model_dir, "tokenizer.json")
+    if not os.path.exists(path):
+        raise ValueError(f"cannot load the tokenizer of {model_dir}: {why}, and there is no "
+                         "tokenizer.json to read instead")
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    special = {k: v.get("content") if isinstance(v, dict) else v for k, v in config.items()
+               if k in _SPECIAL_TOKENS}
+    warnings.warn(f"{model_dir}: {why}; loaded tokenizer.json with the `tokenizers` library instead "
+                  f"({'with' if template else 'without'} the chat template of tokenizer_config.json)",
+                  stacklevel=3)
+    return Tokenizer(get_tokenizer(os.path.abspath(path)), name=path, chat_template=template,
+                     special_tokens=special)
+
+
 def load_tokenizer(model_dir: Optional[str] = None) -> Tokenizer:
     """The tokenizer of a model folder: transformers (chat template) when tokenizer_config.json
-    is there, else tokenizer.json through `tokenizers`, else the testbed tokenizer."""
+    is there, else tokenizer.json through `tokenizers`, else the testbed tokenizer.
+
+    No code from the folder is ever run: transformers is called with trust_remote_code=False, and
+    a folder whose tokenizer_config.json names a custom class (`auto_map`), or that transformers
+    cannot load, is read from tokenizer.json with `tokenizers` (chat template kept), with a warning.
+    """
     from ..tasks import get_tokenizer
 
     if model_dir and os.path.isdir(model_dir):
-        if os.path.exists(os.path.join(model_dir, "tokenizer_config.json")):
+        config_path = os.path.join(model_dir, "tokenizer_config.json")
+        if os.path.exists(config_path):
+            try:
+                with open(config_path, encoding="utf-8") as f:
+                    config = json.load(f)
+            except (OSError, ValueError) as e:
+                raise ValueError(f"cannot read {config_path}: {e}") from None
+            if not isinstance(config, dict):
+                raise ValueError(f"{config_path} is not a JSON object")
+            if "auto_map" in config:
+                return _tokenizers_fallback(model_dir, config, "tokenizer_config.json names a custom "
+                                            "tokenizer class (auto_map), whose code is not run")
             try:
                 from transformers import AutoTokenizer
 
-                return Tokenizer(AutoTokenizer.from_pretrained(model_dir, local_files_only=True),
-                                 hf=True, name=model_dir)
-            except Exception:
-                pass
+                tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
+            except Exception as e:
+                first = (str(e).splitlines() or [""])[0]
+                return _tokenizers_fallback(model_dir, config,
+                                            f"transformers cannot load it ({type(e).__name__}: {first})")
+            return Tokenizer(tok, hf=True, name=model_dir)
         path = os.path.join(model_dir, "tokenizer.json")
         if os.path.exists(path):
             return Tokenizer(get_tokenizer(os.path.abspath(path)), name=path)
