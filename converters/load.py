@@ -20,7 +20,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from maskahead_jax.api import Model
-from maskahead_jax.config import ConfigError, ModelConfig
+from maskahead_jax.config import FAMILY_DEFAULTS, ConfigError, ModelConfig
 from maskahead_jax.model import param_shapes
 
 from .keymaps import IGNORED, build_plan, convert_tensor
@@ -35,22 +35,32 @@ def _np_dtype(dtype) -> Optional[np.dtype]:
     return None if dtype is None else np.dtype(jnp.dtype(dtype))
 
 
-def read_config(path: str) -> ModelConfig:
-    """The ModelConfig of an HF or converted folder, with errors that name the folder."""
+def read_config(path: str, family: Optional[str] = None) -> ModelConfig:
+    """The ModelConfig of an HF or converted folder, with errors that name the folder.
+
+    family: force the model family (see `ModelConfig.from_hf`); a converted folder defaults to
+    the family it was converted as."""
     if not os.path.isdir(path):
         raise FileNotFoundError(f"no such checkpoint folder: {path}")
     cfg_path = os.path.join(path, "config.json")
     if not os.path.exists(cfg_path):
         raise CheckpointError(f"{path} has no config.json (expected an HF model folder or a folder "
                               "written by `maskahead convert`)")
+    if family is None and is_converted(path):
+        family = _read_json(os.path.join(path, MARKER)).get("family")
+    hf = _read_json(cfg_path)
     try:
-        with open(cfg_path) as f:
-            hf = json.load(f)
-        return ModelConfig.from_hf(hf)
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{cfg_path} is not valid JSON: {e}") from None
+        return ModelConfig.from_hf(hf, family=family)
     except (ConfigError, TypeError) as e:
         raise CheckpointError(f"{cfg_path}: {e}") from e
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
 
 
 def _first(names: list[str], n: int = 5) -> str:
@@ -173,14 +183,18 @@ def restore_orbax(path: str, cfg: ModelConfig, dtype, shardings=None) -> dict:
         raise CheckpointError(f"cannot restore converted params from {path}: {e}") from e
 
 
-def load_model(path: str, dtype=None, progress: bool = False, mesh=None) -> Model:
+def load_model(path: str, dtype=None, progress: bool = False, mesh=None,
+               family: Optional[str] = None) -> Model:
     """Load an HF folder (safetensors / torch .bin) or a folder written by `convert`.
+
+    family: force the model family (`ModelConfig.from_hf`), e.g. to run a Qwen2 folder without
+    a block-diffusion marker as fast_dllm_v2.
 
     mesh: optional jax Mesh or spec ("data=2,model=4"): params are loaded straight into their
     shards by the rules of `maskahead_jax.sharding` (orbax restores sharded; HF tensors are put
     leaf by leaf from host buffers).
     """
-    cfg = read_config(path)
+    cfg = read_config(path, family)
     shardings = _mesh_shardings(cfg, mesh)
     if is_converted(path):
         with open(os.path.join(path, MARKER)) as f:
@@ -220,17 +234,19 @@ def _write_converted(model: Model, src: str, out: str) -> None:
                    "family": model.config.family, "layout": model.config.layout}, f, indent=1)
 
 
-def convert(src: str, dst: str, dtype=None, progress: bool = True, overwrite: bool = False) -> str:
+def convert(src: str, dst: str, dtype=None, progress: bool = True, overwrite: bool = False,
+            family: Optional[str] = None) -> str:
     """Convert `src` (HF or converted folder) into an orbax folder at `dst`; returns `dst`.
 
     The non-weight files of `src` (config.json, tokenizer, generation config) are copied along.
     `src` is read and validated in full before `dst` is touched; the result is written to a
     hidden sibling folder and renamed into place, so a failure leaves `dst` as it was.
+    family: force the model family (recorded in maskahead.json, used when `dst` is loaded).
     """
     _check_paths(src, dst)
     if os.path.isdir(dst) and os.listdir(dst) and not overwrite:
         raise CheckpointError(f"destination {dst} exists and is not empty (use overwrite / --force)")
-    model = load_model(src, dtype=dtype, progress=progress)
+    model = load_model(src, dtype=dtype, progress=progress, family=family)
     parent, name = os.path.split(os.path.abspath(dst))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
@@ -264,9 +280,12 @@ def cli_convert(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                     help="parameter dtype (default: the checkpoint's)")
     ap.add_argument("--force", action="store_true", help="replace a non-empty DST (only once SRC has converted)")
+    ap.add_argument("--family", default=None, choices=sorted(FAMILY_DEFAULTS),
+                    help="force the model family (default: from config.json; a plain autoregressive "
+                         "qwen2 / qwen3 config is refused without it)")
     args = ap.parse_args(argv)
     try:
-        out = convert(args.src, args.dst, dtype=args.dtype, overwrite=args.force)
+        out = convert(args.src, args.dst, dtype=args.dtype, overwrite=args.force, family=args.family)
     except (CheckpointError, FileNotFoundError) as e:
         print(f"maskahead convert: error: {e}", file=sys.stderr)
         return 1

@@ -15,6 +15,8 @@ import sys
 import time
 from typing import Optional, Sequence
 
+from .config import FAMILY_DEFAULTS
+
 TESTBED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "testbed")
 
 
@@ -29,13 +31,13 @@ def _csv(text, typ=str) -> list:
         raise CLIError(f"cannot parse {text!r} as a comma-separated list of {typ.__name__}") from None
 
 
-def _load(path: Optional[str], dtype: Optional[str] = None):
+def _load(path: Optional[str], dtype: Optional[str] = None, family: Optional[str] = None):
     from .api import load_pretrained
 
     path = path or TESTBED
     if not os.path.isdir(path):
         raise CLIError(f"model folder not found: {path}")
-    return load_pretrained(path, dtype=dtype), path
+    return load_pretrained(path, dtype=dtype, family=family), path
 
 
 def _gen(args, max_new: int = 64):
@@ -67,6 +69,9 @@ def _add_model(p, default_testbed=True):
                    help="model folder (HF layout or converted); default: the shipped testbed" if default_testbed
                    else "model folder")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--family", default=None, choices=sorted(FAMILY_DEFAULTS),
+                   help="force the model family (default: from config.json; a plain autoregressive "
+                        "qwen2 / qwen3 config is refused without it)")
     p.add_argument("--preset", default=None,
                    help="decoding preset: fast-dllm-v2, dream-reasoner, sdar, llada2-mini, llada, dream, testbed")
     p.add_argument("--threshold", type=float, default=None, help="override the commit threshold")
@@ -172,7 +177,7 @@ def cmd_generate(args) -> int:
     from .generate import generate
 
     _init_mesh(args)
-    model, path = _load(args.model, args.dtype)
+    model, path = _load(args.model, args.dtype, args.family)
     tok = load_tokenizer(path)
     if args.ids is not None:
         ids = _csv(args.ids, int)
@@ -196,7 +201,7 @@ def cmd_eval(args) -> int:
     from .evaluation.policies import parse_capacities
     from .evaluation.sweep import run_sweep
 
-    model, path = _load(args.model, args.dtype)
+    model, path = _load(args.model, args.dtype, args.family)
     tok = D.load_tokenizer(path)
     exs = []
     if args.suite:
@@ -242,7 +247,7 @@ def cmd_profile(args) -> int:
         if args.preset is None:
             args.preset = PR.SHAPE_PRESET.get(args.shape.lower())
     else:
-        model, label = _load(args.model, args.dtype)
+        model, label = _load(args.model, args.dtype, args.family)
     if args.max_positions:
         from .api import Model
 

@@ -40,6 +40,12 @@ FAMILY_DEFAULTS = {
 
 ATTENTION_KINDS = ("bidirectional", "block_causal")
 
+# model_types that are also plain autoregressive backbones: such a config.json must say it is a
+# diffusion LM (Fast-dLLM v2 writes bd_size, SDAR block_size) or the family must be forced
+_AR_BACKBONES = ("qwen2", "qwen3")
+_DIFFUSION_KEYS = ("bd_size", "block_size", "mask_token_id", "family")
+_DIFFUSION_NAMES = ("dllm", "sdar", "dream", "llada", "diffusion")
+
 
 class ConfigError(ValueError):
     """A config.json that this library cannot run (unknown model_type, bad field)."""
@@ -93,6 +99,11 @@ class ModelConfig:
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
             raise ConfigError(f"rotary_dim={self.rotary_dim} must be even and <= head_dim")
+        if self.vocab_size is None or self.vocab_size < 1:
+            raise ConfigError(f"vocab_size must be a positive integer, got {self.vocab_size!r}")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ConfigError(f"mask_token_id={self.mask_token_id} is not a token of the vocabulary "
+                              f"[0, vocab_size={self.vocab_size})")
 
     @property
     def rope_dim(self) -> int:
@@ -116,15 +127,28 @@ class ModelConfig:
 
     # ------------------------------------------------------------------ HF config reading
     @classmethod
-    def from_hf(cls, hf: dict[str, Any], **overrides) -> "ModelConfig":
-        """Build from a Hugging Face `config.json` dict of any supported family."""
+    def from_hf(cls, hf: dict[str, Any], family: Optional[str] = None, **overrides) -> "ModelConfig":
+        """Build from a Hugging Face `config.json` dict of any supported family.
+
+        family: force the family (its defaults) instead of the one the config implies; needed
+        for a qwen2 / qwen3 config without a block-diffusion marker, which is otherwise refused
+        as a plain autoregressive model."""
         mt = str(hf.get("model_type", "")).lower()
         if mt not in _MODEL_TYPES:
             raise ConfigError(
                 f"unknown model_type {hf.get('model_type')!r}; supported: {sorted(_MODEL_TYPES)}")
-        family, layout = _MODEL_TYPES[mt]
-        if "family" in hf:  # our own testbed configs name the family explicitly
-            family = hf["family"]
+        implied, layout = _MODEL_TYPES[mt]
+        family = family or hf.get("family")  # our own testbed configs name the family explicitly
+        if family is None:
+            family = implied
+            if mt in _AR_BACKBONES and not _has_diffusion_marker(hf):
+                arch = ", ".join(map(str, hf.get("architectures") or [])) or f"model_type {mt}"
+                raise ConfigError(
+                    f"{arch} is a plain autoregressive model, not a diffusion LM (no {'/'.join(_DIFFUSION_KEYS)} "
+                    f"field, no diffusion architecture name); if it really is a {family} checkpoint, force the "
+                    f"family: load_pretrained(path, family={family!r}) or --family {family}")
+        if family not in FAMILY_DEFAULTS:
+            raise ConfigError(f"unknown family {family!r}; supported: {sorted(FAMILY_DEFAULTS)}")
         if layout == "llada":
             return cls._from_llada(hf, family, overrides)
         g = hf.get
@@ -223,14 +247,22 @@ class ModelConfig:
         return cls(**kw)
 
     @classmethod
-    def from_file(cls, path: str, **overrides) -> "ModelConfig":
+    def from_file(cls, path: str, family: Optional[str] = None, **overrides) -> "ModelConfig":
         """Read `config.json` (or a folder holding one)."""
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")
         if not os.path.exists(path):
             raise FileNotFoundError(f"no config.json at {path}")
         with open(path) as f:
-            return cls.from_hf(json.load(f), **overrides)
+            return cls.from_hf(json.load(f), family=family, **overrides)
+
+
+def _has_diffusion_marker(hf: dict[str, Any]) -> bool:
+    """Whether a config.json says it is a block-diffusion LM (a field, or an architecture name)."""
+    if any(k in hf for k in _DIFFUSION_KEYS):
+        return True
+    names = [str(n) for n in hf.get("architectures") or []] + [str(v) for v in (hf.get("auto_map") or {}).values()]
+    return any(d in n.lower() for n in names for d in _DIFFUSION_NAMES)
 
 
 COMMIT_RULES = ("fast_dllm", "dynamic", "dream_reasoner", "llada")

@@ -114,12 +114,14 @@ def rename(sd: dict[str, torch.Tensor], rules: list[tuple[str, str]]) -> dict[st
 
 
 def qwen2(path: str, seed: int = 0, tie: bool = False) -> Case:
-    """Fast-dLLM v2 / Dream layout: Qwen2 with q/k/v bias, saved by save_pretrained."""
+    """Fast-dLLM v2 / Dream layout: Qwen2 with q/k/v bias, saved by save_pretrained. config.json
+    carries Fast-dLLM v2's `bd_size` (what marks a qwen2 config as a diffusion LM) and a mask id
+    inside the tiny vocabulary."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie,
-                      rope_theta=10000.0, bd_size=BLOCK, attn_implementation="eager")
+                      rope_theta=10000.0, bd_size=BLOCK, mask_token_id=VOCAB - 1, attn_implementation="eager")
     model = randomize_(Qwen2ForCausalLM(cfg), seed)
     if tie:
         model.tie_weights()
@@ -128,12 +130,13 @@ def qwen2(path: str, seed: int = 0, tie: bool = False) -> Case:
 
 
 def qwen3(path: str, seed: int = 0) -> Case:
-    """SDAR / DreamReasoner layout: Qwen3 with per-head q/k RMSNorm and no bias."""
+    """SDAR / DreamReasoner layout: Qwen3 with per-head q/k RMSNorm and no bias. config.json carries
+    SDAR's `block_size` (the diffusion marker of a qwen3 config) and a mask id inside the vocabulary."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=False,
-                      rope_theta=1e6, block_size=BLOCK, attn_implementation="eager")
+                      rope_theta=1e6, block_size=BLOCK, mask_token_id=VOCAB - 1, attn_implementation="eager")
     model = randomize_(Qwen3ForCausalLM(cfg), seed)
     model.save_pretrained(path)
     return Case("qwen3", model, path)

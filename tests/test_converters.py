@@ -403,3 +403,81 @@ def test_torch_pickle_with_code_is_refused_without_weights_only_advice(tmp_path,
     assert "pytorch_model.bin" in msg and "safetensors" in msg
     assert "weights_only" not in msg
     assert not os.path.exists(marker)
+
+
+# ------------------------------------------------------------------ configs that would run as garbage
+
+QWEN25_7B_INSTRUCT = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584,
+                      "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+                      "intermediate_size": 18944, "vocab_size": 152064, "rope_theta": 1e6,
+                      "tie_word_embeddings": False, "eos_token_id": 151645}
+
+
+@pytest.mark.parametrize("mask_id", [152064, 200000, -1])
+def test_mask_token_id_outside_vocab_is_an_error(mask_id):
+    with pytest.raises(ValueError, match=rf"mask_token_id={mask_id} .*vocab_size=152064"):
+        ModelConfig.from_hf({**FAST_DLLM_7B, "mask_token_id": mask_id})
+    with pytest.raises(ValueError, match="mask_token_id"):
+        ModelConfig.from_hf(FAST_DLLM_7B).replace(mask_token_id=mask_id)
+
+
+def test_mask_token_id_outside_vocab_in_hf_and_converted_folders(tmp_path, good):
+    path = _write(tmp_path, good, config={"mask_token_id": hf.VOCAB})
+    with pytest.raises(CheckpointError, match=rf"config\.json: mask_token_id={hf.VOCAB} .*vocab_size={hf.VOCAB}"):
+        mj.load_pretrained(path)
+    path = _write(tmp_path, good)
+    dst = str(tmp_path / "converted")
+    assert cli_convert([path, dst]) == 0
+    with open(os.path.join(dst, "config.json")) as f:
+        cfg = json.load(f)
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump({**cfg, "mask_token_id": 1000}, f)
+    with pytest.raises(CheckpointError, match=r"mask_token_id=1000 .*vocab_size=96"):
+        mj.load_pretrained(dst)
+
+
+def test_plain_autoregressive_config_is_refused_unless_a_family_is_forced():
+    with pytest.raises(ValueError, match=r"Qwen2ForCausalLM is a plain autoregressive model, not a diffusion "
+                                         r"LM.*family='fast_dllm_v2'.*--family fast_dllm_v2"):
+        ModelConfig.from_hf(QWEN25_7B_INSTRUCT)
+    qwen3 = {**SDAR_8B, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}
+    with pytest.raises(ValueError, match=r"Qwen3ForCausalLM is a plain autoregressive.*--family sdar"):
+        ModelConfig.from_hf(qwen3)
+    forced = ModelConfig.from_hf(QWEN25_7B_INSTRUCT, family="fast_dllm_v2")
+    assert (forced.family, forced.logits_shift, forced.mask_token_id) == ("fast_dllm_v2", True, 151665)
+    assert ModelConfig.from_hf(qwen3, family="sdar").family == "sdar"
+    with pytest.raises(ValueError, match="unknown family 'gpt'"):
+        ModelConfig.from_hf(QWEN25_7B_INSTRUCT, family="gpt")
+    # what the real diffusion checkpoints carry: Fast-dLLM v2's architecture name / bd_size, SDAR's block_size
+    for marker in ({"architectures": ["Fast_dLLM_QwenForCausalLM"]}, {"bd_size": 32}, {"mask_token_id": 151665}):
+        assert ModelConfig.from_hf({**QWEN25_7B_INSTRUCT, **marker}).family == "fast_dllm_v2"
+    assert ModelConfig.from_hf({**qwen3, "block_size": 4}).family == "sdar"
+
+
+def test_plain_qwen2_folder_refused_then_forced(tmp_path, capsys):
+    """A Qwen2ForCausalLM folder as transformers saves it: refused by load_pretrained, convert and
+    the CLI with the way out named; --family / family= run it (logits match torch's)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from maskahead_jax import cli
+
+    cfg = Qwen2Config(vocab_size=151936, hidden_size=hf.HIDDEN, intermediate_size=hf.FFN, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    model = hf.randomize_(Qwen2ForCausalLM(cfg), 21)
+    model.tie_weights()
+    path = str(tmp_path / "qwen2")
+    model.save_pretrained(path)
+    with pytest.raises(CheckpointError, match="plain autoregressive model, not a diffusion LM"):
+        mj.load_pretrained(path)
+    assert cli.main(["generate", "--model", path, "--ids", "5,6"]) == 2
+    assert "--family fast_dllm_v2" in capsys.readouterr().err
+    dst = str(tmp_path / "converted")
+    assert cli_convert([path, dst]) == 1
+    assert "--family fast_dllm_v2" in capsys.readouterr().err
+    assert cli_convert([path, dst, "--family", "fast_dllm_v2"]) == 0
+    for m in (mj.load_pretrained(path, family="fast_dllm_v2"), mj.load_pretrained(dst)):  # dst: maskahead.json
+        assert m.config.family == "fast_dllm_v2"
+        toks = np.random.default_rng(4).integers(0, 151936, (1, 8))
+        m = mj.Model(m.config.replace(block_size=hf.BLOCK), m.params)
+        got = np.asarray(mj.forward(m, toks, attention="block_causal"))
+        assert np.abs(got - hf.torch_logits(model, toks, "block_causal")).max() <= 1e-4
