@@ -211,15 +211,28 @@ def cmd_eval(args) -> int:
         exs += D.needle_grid(_csv(args.lengths, int), _csv(args.depths, float), n_per_cell=args.n,
                              seed=args.seed, task=args.needle_task, tokenizer=tok)
     gen = _gen(args)
+    # the dataset options of the run fingerprint (with the model and generation settings: run.json)
+    dataset = {}
+    if args.suite:
+        dataset["suite"] = dict(tasks=_csv(args.tasks), lengths=_csv(args.lengths, int),
+                                depths=_csv(args.depths, float), n=args.n, seed=args.seed)
+    if args.needle:
+        dataset["needle"] = dict(task=args.needle_task, lengths=_csv(args.lengths, int),
+                                 depths=_csv(args.depths, float), n=args.n, seed=args.seed)
     if args.longbench:
         bs = gen.block_size or model.config.block_size
         max_len = args.max_length or (model.config.max_position_embeddings - 512 - 2 * bs)
         ds = _csv(args.longbench_datasets) if args.longbench_datasets else None
         exs += D.load_longbench(args.longbench, tok, max_len, datasets=ds, limit=args.limit,
                                 chat=False if args.no_chat else None)
+        dataset["longbench"] = dict(paths=[os.path.abspath(x) for x in _csv(args.longbench)], datasets=ds,
+                                    max_length=max_len, limit=args.limit, no_chat=args.no_chat)
     for m in args.math:
         exs += D.load_math(m, tok, limit=args.limit, max_new_tokens=args.math_max_new_tokens,
                            chat=not args.no_chat)
+    if args.math:
+        dataset["math"] = dict(paths=[os.path.abspath(x) for x in args.math], limit=args.limit,
+                               max_new_tokens=args.math_max_new_tokens, no_chat=args.no_chat)
     if not exs:
         raise CLIError("no examples: pass --suite, --needle, --longbench PATHS and/or --math FILE")
     policies = _csv(args.policies)
@@ -230,7 +243,8 @@ def cmd_eval(args) -> int:
                     max_new_tokens=args.max_new_tokens, progress=not args.no_progress, strict=args.strict,
                     plots=not args.no_plots, policy_factory=_factory(_kw(args.policy_kw)),
                     bucket=args.bucket if args.bucket == "auto" else _csv(args.bucket, int)[0],
-                    meta=dict(model=path, preset=args.preset, argv=sys.argv[1:]), mesh=args.mesh)
+                    meta=dict(model=path, preset=args.preset, argv=sys.argv[1:]), mesh=args.mesh,
+                    model_path=os.path.realpath(path), dataset=dataset)
     print(open(res.paths["summary_md"]).read())
     print(json.dumps({k: v for k, v in res.paths.items()}, indent=1))
     return 1 if res.errors and args.strict else 0

@@ -64,6 +64,14 @@ def test_eval_needle_cli(tmp_path, capsys):
     assert cli.main(args) == 0  # resume: nothing to redo, no duplicates
     with open(os.path.join(out, "results.jsonl")) as f:
         assert sum(1 for _ in f) == 2
+    capsys.readouterr()
+    # another threshold into the same --out: refused (exit 2, one line naming it), nothing rewritten
+    files = {f: open(os.path.join(out, f), "rb").read() for f in os.listdir(out)}
+    assert cli.main(args + ["--threshold", "0.5"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("maskahead eval: error: --out ") and "generation.threshold=0.95; this run has " \
+        "generation.threshold=0.5: use another --out" in err
+    assert files == {f: open(os.path.join(out, f), "rb").read() for f in os.listdir(out)}
 
 
 def test_profile_testbed_dense(capsys):

@@ -11,7 +11,8 @@ from maskahead_jax.evaluation import plots as PL
 from maskahead_jax.evaluation import policies as PO
 from maskahead_jax.evaluation.presets import preset_config
 from maskahead_jax.evaluation.stats import paired_sign_test, sign_test
-from maskahead_jax.evaluation.sweep import auto_bucket, load_rows, run_sweep, to_markdown
+from maskahead_jax.config import GenerationConfig
+from maskahead_jax.evaluation.sweep import RunMismatch, auto_bucket, load_rows, run_sweep, to_markdown
 from maskahead_jax.policies import Dense
 from tiny import tiny_model
 
@@ -238,6 +239,75 @@ def test_sweep_resumes_and_reports(tmp_path):
     # a third run has nothing left to do
     r3 = run_sweep(model, exs, ["dense", second], [5, 20], out, NumTok(), **kw)
     assert len(r3.rows) == 3 * len(exs)
+
+
+def _snapshot(out):
+    return {f: open(os.path.join(out, f), "rb").read() for f in sorted(os.listdir(out))}
+
+
+def test_sweep_resume_checks_run_fingerprint(tmp_path, monkeypatch):
+    """Rows are reused only by a run with the same settings: another threshold, policy knob or
+    example content under the same id is refused before anything in --out is touched; the same
+    settings resume with no forward at all, and another policy adds its rows to the run."""
+    import importlib
+
+    G = importlib.import_module("maskahead_jax.generate")  # the package exports the function too
+    model = tiny_model("sdar")
+    exs = _examples()[:2]
+    out = str(tmp_path / "sweep")
+    kw = dict(batch_size=2, progress=False, strict=True, plots=False)
+    try:
+        PO.make_policy("maskahead", 10, recent=8)
+    except PO.PolicyError:
+        pytest.skip("no maskahead policy in the registry")
+
+    def factory(recent):
+        knobs = dict(capacity_floor=12, topk_floor=4, recent=recent, sinks=2)
+        return lambda p, c: PO.make_policy(p, c, **({} if p == "dense" else knobs))
+
+    r1 = run_sweep(model, exs, ["maskahead"], [20], out, NumTok(), policy_factory=factory(8), **kw)
+    assert len(r1.rows) == 2
+    run = json.load(open(os.path.join(out, "run.json")))
+    assert run["generation"]["threshold"] == 0.85 and run["model"]["config"]["num_layers"] == 3
+    assert "recent=8" in run["policies"]["maskahead@20"]
+    assert all(r["run"] == run["fingerprint"] and r["example_digest"] for r in r1.rows)
+    assert r1.summary["run"]["fingerprint"] == run["fingerprint"]
+    before = _snapshot(out)
+    assert {"results.jsonl", "run.json", "summary.json", "summary.md"} <= set(before)
+
+    calls = []
+    real = G.generate
+    monkeypatch.setattr(G, "generate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    # (a) another threshold: refused, naming the setting on both sides; nothing rewritten
+    with pytest.raises(RunMismatch, match=r"holds a run with generation\.threshold=0\.85; this run has "
+                                          r"generation\.threshold=0\.95: use another --out"):
+        run_sweep(model, exs, ["maskahead"], [20], out, NumTok(), policy_factory=factory(8),
+                  gen=GenerationConfig(threshold=0.95), **kw)
+    # (c) another policy knob: refused, naming the knob
+    with pytest.raises(RunMismatch, match=r"maskahead@20 rows of a policy with recent=8; this run's has recent=16"):
+        run_sweep(model, exs, ["maskahead"], [20], out, NumTok(), policy_factory=factory(16), **kw)
+    # same ids, other prompts (e.g. another seed or tokenizer): refused
+    changed = [D.EvalExample(**{**e.__dict__, "ids": e.ids[:-1]}) for e in exs]
+    with pytest.raises(RunMismatch, match=r"example niah/40/0\.0/0 \(and 1 more\) whose prompt"):
+        run_sweep(model, changed, ["maskahead"], [20], out, NumTok(), policy_factory=factory(8), **kw)
+    assert calls == [] and _snapshot(out) == before
+    # (b) the same settings resume: no forward, the rows reused as they are
+    r2 = run_sweep(model, exs, ["maskahead"], [20], out, NumTok(), policy_factory=factory(8), **kw)
+    assert calls == [] and r2.rows == r1.rows
+    assert open(os.path.join(out, "results.jsonl"), "rb").read() == before["results.jsonl"]
+    # another policy adds its rows under the same fingerprint
+    r3 = run_sweep(model, exs, ["dense", "maskahead"], [20], out, NumTok(), policy_factory=factory(8), **kw)
+    assert len(r3.rows) == 4 and calls and r3.rows[:2] == r1.rows
+    assert set(json.load(open(os.path.join(out, "run.json")))["policies"]) == {"dense@full", "maskahead@20"}
+    # rows from before fingerprints: refused, files untouched
+    legacy = str(tmp_path / "legacy")
+    os.makedirs(legacy)
+    rows = [{k: v for k, v in r.items() if k not in ("run", "policy_repr", "example_digest")} for r in r1.rows]
+    _write_jsonl(os.path.join(legacy, "results.jsonl"), rows)
+    before = _snapshot(legacy)
+    with pytest.raises(RunMismatch, match="predate run fingerprints"):
+        run_sweep(model, exs, ["maskahead"], [20], legacy, NumTok(), policy_factory=factory(8), **kw)
+    assert _snapshot(legacy) == before
 
 
 def test_sweep_rejects_bad_input(tmp_path):

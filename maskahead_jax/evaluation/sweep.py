@@ -2,7 +2,8 @@
 that resume without loss or duplicates, summary table (Markdown + JSON), paired sign tests, plots.
 
 Files written under `out_dir`:
-  results.jsonl   one line per (policy, capacity, example id)
+  run.json        the run fingerprint: model, generation and dataset settings (+ the policies' reprs)
+  results.jsonl   one line per (policy, capacity, example id), each tagged with the fingerprint
   summary.json    per run: score, per-dataset scores, KV reduction end / peak, NFE, sign tests
   summary.md      the same as a Markdown table
   budgets.json    per-layer / per-head budgets of policies that expose them (MaskKV)
@@ -11,9 +12,11 @@ Files written under `out_dir`:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
+import re
 import sys
 import time
 from collections import defaultdict
@@ -29,12 +32,187 @@ from .stats import paired_sign_test
 REFERENCE = "maskahead"
 
 
+class RunMismatch(ValueError):
+    """`out_dir` holds results of a run with other settings (or from before run fingerprints)."""
+
+
 def cap_label(cap: Optional[float]) -> str:
     return "full" if cap is None else f"{cap:g}"
 
 
 def row_key(row: dict) -> tuple:
     return (row["policy"], cap_label(row.get("capacity")), row["id"])
+
+
+def _digest(obj, n: int = 16) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:n]
+
+
+def _jsonable(obj):
+    return json.loads(json.dumps(obj, sort_keys=True, default=str))
+
+
+def model_files_digest(path: str, sample: int = 1 << 20) -> Optional[str]:
+    """Cheap content digest of a model folder: every file but *.md and hidden ones, by relative path,
+    size and the sha256 of its first and last `sample` bytes (weights retrained in place change it)."""
+    if not path or not os.path.isdir(path):
+        return None
+    h = hashlib.sha256()
+    for root, dirs, files in os.walk(path):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in sorted(files):
+            if name.startswith(".") or name.endswith(".md"):
+                continue
+            full = os.path.join(root, name)
+            size = os.path.getsize(full)
+            h.update(f"{os.path.relpath(full, path)}\0{size}\0".encode())
+            with open(full, "rb") as f:
+                h.update(f.read(sample))
+                if size > 2 * sample:
+                    f.seek(size - sample)
+                    h.update(f.read(sample))
+                elif size > sample:
+                    h.update(f.read())
+    return h.hexdigest()[:16]
+
+
+def run_fingerprint(model, gen: GenerationConfig = GenerationConfig(), max_new_tokens: Optional[int] = None,
+                    model_path: Optional[str] = None, dataset: Optional[dict] = None) -> dict:
+    """The settings that decide a sweep's rows, apart from the policy (each row carries its policy's
+    repr) and the example (each row carries the digest of its prompt, references and lengths):
+    model (path, files digest, params dtypes, config), the resolved generation config, the
+    max_new_tokens override and the caller's dataset options. Execution settings (batch size,
+    prompt bucket, mesh) are left out. Returns the JSON-ready components and their digest under
+    "fingerprint"."""
+    import jax
+
+    dtypes = sorted({str(getattr(x, "dtype", type(x).__name__)) for x in jax.tree_util.tree_leaves(model.params)})
+    try:
+        g = dataclasses.asdict(gen.resolve(model.config))
+    except Exception:  # a bad config fails in generate (reported per run); fingerprint it unresolved
+        g = dataclasses.asdict(gen)
+    g.pop("max_new_tokens", None)
+    g.update(seed=gen.seed, max_new_tokens=int(max_new_tokens) if max_new_tokens else "per example")
+    comp = _jsonable(dict(
+        model=dict(path=model_path, files=model_files_digest(model_path), params_dtype=",".join(dtypes),
+                   config=dataclasses.asdict(model.config)),
+        generation=g, dataset=dataset or {}))
+    return dict(fingerprint=_digest(comp), **comp)
+
+
+def example_digest(e: EvalExample) -> str:
+    return _digest(dict(dataset=e.dataset, ids=[int(x) for x in e.ids], answers=e.answers,
+                        max_new_tokens=e.max_new_tokens, kind=e.kind, meta=e.meta))
+
+
+def policy_repr(policy) -> str:
+    """The policy's repr (a frozen dataclass: every knob); other objects: class and attributes."""
+    if dataclasses.is_dataclass(policy) or not hasattr(policy, "__dict__"):
+        return repr(policy)
+    return f"{type(policy).__qualname__}({', '.join(f'{k}={v!r}' for k, v in sorted(vars(policy).items()))})"
+
+
+def _flat(d, prefix="") -> dict:
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def _fmt_diff(old: dict, new: dict, limit: int = 4) -> tuple[str, str]:
+    """'k=v, ...' of the entries that differ, on each side (at most `limit`, then '+N more')."""
+    keys = [k for k in sorted(set(old) | set(new)) if old.get(k, "<unset>") != new.get(k, "<unset>")]
+    more = f" (+{len(keys) - limit} more)" if len(keys) > limit else ""
+
+    def side(d):
+        return ", ".join(f"{k}={d.get(k, '<unset>')}" for k in keys[:limit]) + more
+    return side(old), side(new)
+
+
+def _repr_items(r: str) -> dict:
+    """'Cls(a=1, b=(2, 3))' -> {'class': 'Cls', 'a': '1', 'b': '(2, 3)'} (top-level commas only)."""
+    m = re.match(r"^([\w.]+)\((.*)\)$", r, re.S)
+    if not m:
+        return {"repr": r}
+    out, depth, cur, quote = {"class": m.group(1)}, 0, "", None
+    for ch in m.group(2) + ",":
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            k, _, v = cur.strip().partition("=")
+            if k:
+                out[k] = v
+            cur = ""
+            continue
+        cur += ch
+    return out
+
+
+def check_resume(out_dir: str, rows: Sequence[dict], fp: dict, reprs: dict, digests: dict) -> None:
+    """Raise RunMismatch (nothing written) unless the rows and run.json in `out_dir` are of this run:
+    same fingerprint, same policy repr per (policy, capacity) label, same example digest per id.
+    reprs: {(policy, cap label): repr}; digests: {example id: digest}."""
+    where = f"--out {out_dir}"
+    rp = os.path.join(out_dir, "run.json")
+    old = None
+    if os.path.exists(rp):
+        try:
+            with open(rp, encoding="utf-8") as f:
+                old = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise RunMismatch(f"{where}: run.json is unreadable ({e}): use another --out") from None
+        if old.get("fingerprint") != fp["fingerprint"]:
+            comps = ("model", "generation", "dataset")
+            a, b = _fmt_diff(_flat({k: old.get(k) or {} for k in comps}), _flat({k: fp[k] for k in comps}))
+            raise RunMismatch(f"{where} holds a run with {a}; this run has {b}: use another --out")
+    if rows:
+        legacy = sum(1 for r in rows if "run" not in r)
+        if legacy:
+            raise RunMismatch(f"{where} holds {legacy} result rows that predate run fingerprints (no 'run' "
+                              f"field), so their settings are unknown: use another --out")
+        other = sorted({r["run"] for r in rows} - {fp["fingerprint"]})
+        if other:
+            raise RunMismatch(f"{where} holds rows of another run (fingerprint {', '.join(other)}; this run is "
+                              f"{fp['fingerprint']}, run.json {'missing' if old is None else 'disagrees'}): "
+                              f"use another --out")
+    for r in rows:
+        k = (r["policy"], cap_label(r.get("capacity")))
+        if k in reprs and r.get("policy_repr") != reprs[k]:
+            a, b = _fmt_diff(_repr_items(str(r.get("policy_repr"))), _repr_items(reprs[k]))
+            raise RunMismatch(f"{where} holds {k[0]}@{k[1]} rows of a policy with {a}; this run's has {b}: "
+                              f"use another --out")
+        if r["id"] in digests and r.get("example_digest") != digests[r["id"]]:
+            n = len({x["id"] for x in rows if x["id"] in digests and x.get("example_digest") != digests[x["id"]]})
+            more = f" (and {n - 1} more)" if n > 1 else ""
+            raise RunMismatch(f"{where} holds rows for example {r['id']}{more} whose prompt, references or "
+                              f"length differ from this run's: use another --out")
+
+
+def write_run_json(out_dir: str, fp: dict, reprs: dict) -> str:
+    """Write (atomically) out_dir/run.json: the fingerprint, its components, and the policy reprs of
+    every (policy, capacity) run so far."""
+    path = os.path.join(out_dir, "run.json")
+    pols, created = {}, time.strftime("%Y-%m-%dT%H:%M:%S")
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            old = json.load(f)
+        pols, created = old.get("policies", {}), old.get("created", created)
+    pols.update({f"{p}@{c}": r for (p, c), r in reprs.items()})
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(dict(fp, policies=pols, created=created), f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
 
 
 def load_rows(path: str, repair: bool = True) -> list[dict]:
@@ -114,10 +292,15 @@ def run_sweep(model, examples: Sequence[EvalExample], policies: Sequence[str],
               max_new_tokens: Optional[int] = None, policy_factory: Callable = make_policy,
               progress: bool = True, strict: bool = False, plots: bool = True,
               meta: Optional[dict] = None, bucket="auto", pad_batches: bool = True,
-              mesh=None) -> SweepResult:
+              mesh=None, model_path: Optional[str] = None, dataset: Optional[dict] = None) -> SweepResult:
     """Run every (policy, capacity) on every example, appending to out_dir/results.jsonl.
 
-    Rows already in the file are skipped (resume). Capacity-free policies (dense) run once.
+    Rows already in the file are skipped (resume), but only rows of this run: the file's rows and
+    out_dir/run.json must carry this run's fingerprint (`run_fingerprint`: the model, resolved
+    generation config, max_new_tokens, and `model_path` / `dataset` when the caller names them),
+    each (policy, capacity)'s rows the same policy repr and each example id's rows the same example
+    digest; otherwise RunMismatch is raised before anything in out_dir is touched. Rows written
+    before fingerprints existed are refused the same way. Capacity-free policies (dense) run once.
     `gen` is the base GenerationConfig (a preset); max_new_tokens comes from each example unless
     given. A failing run is reported in `errors` (and re-raised when strict).
     bucket: prompt-length bucket quantum ("auto": `auto_bucket`); pad_batches: fill a short last
@@ -129,12 +312,25 @@ def run_sweep(model, examples: Sequence[EvalExample], policies: Sequence[str],
     ids = [e.id for e in examples]
     if len(set(ids)) != len(ids):
         raise ValueError("example ids are not unique")
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, "results.jsonl")
-    rows = load_rows(path)
-    done = {row_key(r) for r in rows}
+    fp = run_fingerprint(model, gen, max_new_tokens, model_path=model_path, dataset=dataset)
     runs = _runs(policies, capacities)
-    todo = {(p, c): [e for e in examples if (p, cap_label(c), e.id) not in done] for p, c in runs}
+    built, errors = {}, []
+    for p, c in runs:
+        try:
+            built[(p, c)] = policy_factory(p, c)
+        except Exception as e:
+            errors.append(dict(policy=p, capacity=c, error=f"{type(e).__name__}: {e}"))
+            if strict:
+                raise
+    reprs = {(p, cap_label(c)): policy_repr(pol) for (p, c), pol in built.items()}
+    digests = {e.id: example_digest(e) for e in examples}
+    path = os.path.join(out_dir, "results.jsonl")
+    check_resume(out_dir, load_rows(path, repair=False), fp, reprs, digests)
+    os.makedirs(out_dir, exist_ok=True)
+    rows = load_rows(path)
+    write_run_json(out_dir, fp, reprs)
+    done = {row_key(r) for r in rows}
+    todo = {(p, c): [e for e in examples if (p, cap_label(c), e.id) not in done] for p, c in built}
     total = sum(len(v) for v in todo.values())
     try:
         from tqdm import tqdm
@@ -143,16 +339,10 @@ def run_sweep(model, examples: Sequence[EvalExample], policies: Sequence[str],
         bar = None
     from ..generate import generate
 
-    errors, budgets = [], {}
+    budgets = {}
     with open(path, "a", encoding="utf-8") as fout:
         for (p, c), exs in todo.items():
-            try:
-                policy = policy_factory(p, c)
-            except Exception as e:
-                errors.append(dict(policy=p, capacity=c, error=f"{type(e).__name__}: {e}"))
-                if strict:
-                    raise
-                continue
+            policy, prep = built[(p, c)], reprs[(p, cap_label(c))]
             if bar is not None:
                 bar.set_description(f"{p}@{cap_label(c)}")
             for batch in _batches(exs, batch_size):
@@ -186,7 +376,8 @@ def run_sweep(model, examples: Sequence[EvalExample], policies: Sequence[str],
                         nfe=int(st["nfe"][i]), n_prompt_tokens=len(e.ids), n_gen_tokens=len(out.tokens[i]),
                         length=e.meta.get("length"), depth=e.meta.get("depth"),
                         batch_size=len(prompts), batch_wall_s=float(st["wall_s"]),
-                        evictions=int(st.get("evictions", 0)))
+                        evictions=int(st.get("evictions", 0)), run=fp["fingerprint"], policy_repr=prep,
+                        example_digest=digests[e.id])
                     lines.append(json.dumps(row))
                     rows.append(row)
                 fout.write("\n".join(lines) + "\n")
@@ -207,10 +398,11 @@ def run_sweep(model, examples: Sequence[EvalExample], policies: Sequence[str],
                 old = {}
         old.update(budgets)
         json.dump(old, open(bpath, "w"), indent=1)
-    keys = {(p, cap_label(c), e) for p, c in runs for e in ids}
+    keys = {(p, cap_label(c), e) for p, c in built for e in ids}  # rows checked against this run
     mine = [r for r in rows if row_key(r) in keys]
     summary = summarize(mine)
     summary["errors"] = errors
+    summary["run"] = dict(fp, policies={f"{p}@{c}": r for (p, c), r in reprs.items()})
     if meta:
         summary["meta"] = meta
     paths = write_summary(summary, out_dir)
