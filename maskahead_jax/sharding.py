@@ -42,25 +42,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from .axes import CACHE_AXES, MESH_AXES, RULES, cache_spec, logical_to_spec, mesh_sizes
+from .cache.slots import take_slots, top_k  # noqa: F401  (re-exported: the seq-sharded slot ops)
 from .config import ModelConfig
 from .model.init import param_shapes
-
-MESH_AXES = ("data", "seq", "model")  # outermost .. innermost (model: the most traffic)
-
-RULES: Mapping[str, Optional[str]] = {
-    "batch": "data",
-    "heads": "model",
-    "kv_heads": "model",
-    "mlp": "model",
-    "experts": "model",
-    "cache_seq": "seq",
-    "layers": None,
-    "embed": None,
-    "vocab": None,
-    "head_dim": None,
-    "router": None,
-    "expert_mlp": None,
-}
 
 # logical axes of each param leaf, by leaf name (and parent for the MLP weights)
 _ATTN_AXES = {
@@ -80,14 +65,6 @@ _EXPERT_AXES = {"gate": ("layers", "experts", "embed", "expert_mlp"),
                 "down": ("layers", "experts", "expert_mlp", "embed")}
 _TOP_AXES = {"embed": ("vocab", "embed"), "final_norm": ("embed",), "lm_head": ("embed", "vocab")}
 _MOE_AXES = {"router": ("layers", "embed", "router"), "router_bias": ("layers", "router")}
-
-# cache fields (maskahead_jax.cache.KVCache and quantized variants): rank -> logical axes
-CACHE_AXES = {
-    5: ("layers", "batch", "kv_heads", "cache_seq", "head_dim"),  # k, v [L, B, Hkv, N, D]
-    4: ("layers", "batch", "kv_heads", "cache_seq"),  # pos, valid, acc [L, B, Hkv, N]
-    1: ("batch",),  # length, seen [B]
-}
-
 
 # ----------------------------------------------------------------------------- mesh
 def parse_mesh(spec: Union[str, Mapping[str, int], None]) -> dict[str, int]:
@@ -147,36 +124,7 @@ def make_mesh(spec: Union[str, Mapping[str, int], None] = None, devices=None,
                          devices=devs[:math.prod(shape)])
 
 
-def mesh_sizes(mesh) -> dict[str, int]:
-    """Axis name -> size, for a Mesh or an AbstractMesh."""
-    return dict(zip(mesh.axis_names, mesh.axis_sizes))
-
-
 # ----------------------------------------------------------------------------- rules
-def logical_to_spec(logical: Sequence[Optional[str]], shape: Sequence[int], mesh,
-                    rules: Mapping[str, Optional[str]] = RULES) -> P:
-    """PartitionSpec for an array of `shape` with logical axis names, under `rules`.
-
-    A dimension is sharded only if its mesh axis exists, has size > 1, divides the dimension
-    and is not already used by an earlier dimension; otherwise it is replicated.
-    """
-    if len(logical) != len(shape):
-        raise ValueError(f"logical axes {logical} do not match shape {tuple(shape)}")
-    sizes = mesh_sizes(mesh)
-    used: set[str] = set()
-    out = []
-    for name, dim in zip(logical, shape):
-        ax = rules.get(name) if name is not None else None
-        if ax is None or sizes.get(ax, 1) <= 1 or dim % sizes[ax] or ax in used:
-            out.append(None)
-        else:
-            used.add(ax)
-            out.append(ax)
-    while out and out[-1] is None:
-        out.pop()
-    return P(*out)
-
-
 def _axes_of(path: tuple, name: str) -> tuple:
     """Logical axes of the params leaf `name` under `path` (the decoder's pytree layout)."""
     parent = path[-1] if path else None
@@ -256,14 +204,6 @@ def params_specs_like(params, mesh, rules: Mapping[str, Optional[str]] = RULES) 
 
 
 # ----------------------------------------------------------------------------- cache / inputs
-def cache_spec(shape: Sequence[int], mesh, rules: Mapping[str, Optional[str]] = RULES) -> P:
-    """PartitionSpec of one cache field (by rank: [L,B,Hkv,N,D], [L,B,Hkv,N] or [B])."""
-    axes = CACHE_AXES.get(len(shape))
-    if axes is None:
-        return P()
-    return logical_to_spec(axes, shape, mesh, rules)
-
-
 def constrain_cache(cache, rules: Mapping[str, Optional[str]] = RULES):
     """Inside a traced function run under ``jax.set_mesh(mesh)``: pin every cache field to its
     rule sharding (batch over data, kv heads over model, slots over seq). Without a mesh in
@@ -385,91 +325,3 @@ def run_sharded(mesh, fn, params, prompt, plen, key, *, jit: bool = True, **stat
                 res = fn(params, prompt, plen, key, **static)
         res = jax.block_until_ready(res)
     return fetch(res)
-
-
-# ----------------------------------------------------------------------------- seq-sharded top-k
-def top_k(x: jax.Array, k: int, rules: Mapping[str, Optional[str]] = RULES):
-    """`jax.lax.top_k(x, k)` over the last axis, two-stage when that axis is sharded over `seq`.
-
-    Under ``jax.set_mesh`` with a `seq` axis of size S > 1 that divides the last axis (the
-    cache's slot axis), each seq shard takes its local top-k (k <= N/S), the S*k candidates are
-    all-gathered along `seq` (k values + indices per shard, never the whole axis), and a second
-    top-k merges them. Ties resolve exactly as `lax.top_k` (lower index first): the candidates
-    are laid out in shard order and each shard's in index order among equal values. Other mesh
-    axes stay automatic. Without such a mesh this is `jax.lax.top_k`.
-    """
-    mesh = jax.sharding.get_abstract_mesh()
-    n = x.shape[-1]
-    s = mesh_sizes(mesh).get(rules.get("cache_seq") or "", 1) if not mesh.empty else 1
-    ax = rules.get("cache_seq")
-    if s <= 1 or n % s or k > n or x.ndim < 1:
-        return jax.lax.top_k(x, k)
-    kl = min(k, n // s)  # a shard holds at most min(k, N/S) of the global top k
-    spec = tuple(cache_spec(x.shape, mesh, rules)) if x.ndim in CACHE_AXES else ()
-    spec = spec + (None,) * (x.ndim - len(spec))
-    spec = spec[:-1] + (ax,)  # [L, B, Hkv, N]: keep batch / kv-head sharding, slots over seq
-    out_spec = P(*spec[:-1])
-
-    def local(xs):
-        v, i = jax.lax.top_k(xs, kl)
-        i = i + (jax.lax.axis_index(ax) * (n // s)).astype(i.dtype)
-        v = jax.lax.all_gather(v, ax, axis=x.ndim - 1, tiled=True)
-        i = jax.lax.all_gather(i, ax, axis=x.ndim - 1, tiled=True)
-        v2, j = jax.lax.top_k(v, k)
-        return v2, jnp.take_along_axis(i, j, axis=-1)
-
-    f = jax.shard_map(local, mesh=mesh, in_specs=P(*spec), out_specs=(out_spec, out_spec),
-                      check_vma=False)
-    return f(x)
-
-
-def _seq_mesh(n: int, rules: Mapping[str, Optional[str]]):
-    """(abstract mesh, seq axis name, shards) when the context mesh shards a slot axis of n."""
-    mesh = jax.sharding.get_abstract_mesh()
-    ax = rules.get("cache_seq")
-    if mesh.empty or ax is None:
-        return None
-    s = mesh_sizes(mesh).get(ax, 1)
-    if s <= 1 or n % s:
-        return None
-    return mesh, ax, s
-
-
-def take_slots(a: jax.Array, idx: jax.Array, rules: Mapping[str, Optional[str]] = RULES) -> jax.Array:
-    """`take_along_axis(a, idx, axis=3)` for cache fields a [L, B, Hkv, N(, D)] and slot indices
-    idx [L, B, Hkv, K] (compaction / selection gathers), with explicit collectives when the
-    slot axis is sharded over `seq`: each shard gathers the requested slots it owns, zeros the
-    rest, and a psum over `seq` of the raw bits (exactly one shard contributes each entry, so
-    the result is bit-exact) assembles the [.., K(, D)] result; only K-sized data moves, never
-    the N-sized cache. Without such a mesh this is `jnp.take_along_axis`.
-    """
-    ix = idx if a.ndim == idx.ndim else idx[..., None]
-    found = _seq_mesh(a.shape[3], rules) if a.ndim in (4, 5) else None
-    if found is None:
-        return jnp.take_along_axis(a, ix, axis=3)
-    mesh, ax, s = found
-    n_loc = a.shape[3] // s
-    a_spec = tuple(cache_spec(a.shape, mesh, rules)) + (None,) * a.ndim
-    a_spec = a_spec[:3] + (ax,) + a_spec[4:a.ndim]
-    i_spec = a_spec[:3] + (None,) * (idx.ndim - 3)
-    o_spec = a_spec[:3] + (None,) * (a.ndim - 3)
-    dt = a.dtype
-    bits = {1: jnp.int8, 2: jnp.int16, 4: jnp.int32, 8: jnp.int64}[jnp.dtype(dt).itemsize]
-
-    def local(al, il):
-        off = jax.lax.axis_index(ax) * n_loc
-        j = il - off
-        own = (j >= 0) & (j < n_loc)
-        jl = jnp.clip(j, 0, n_loc - 1)
-        jl = jl if al.ndim == jl.ndim else jl[..., None]
-        own = own if al.ndim == own.ndim else own[..., None]
-        raw = al.astype(jnp.int8) if dt == jnp.bool_ else jax.lax.bitcast_convert_type(al, bits)
-        got = jnp.where(own, jnp.take_along_axis(raw, jl, axis=3), jnp.zeros((), raw.dtype))
-        got = jax.lax.psum(got.astype(jnp.int32) if raw.dtype.itemsize < 4 else got, ax)
-        if dt == jnp.bool_:
-            return got != 0
-        return jax.lax.bitcast_convert_type(got.astype(bits), dt)
-
-    f = jax.shard_map(local, mesh=mesh, in_specs=(P(*a_spec), P(*i_spec)), out_specs=P(*o_spec),
-                      check_vma=False)
-    return f(a, idx)

@@ -9,7 +9,7 @@ import pytest
 from maskahead_jax import cache as kvc
 from maskahead_jax.config import GenerationConfig
 from maskahead_jax.generate import generate
-from maskahead_jax.policies import PolicyError, make
+from maskahead_jax.policies import PolicyError, knobs, make
 from maskahead_jax.policies.baselines import (CAOTE, H2O, HERALD, SnapKV, StreamingLLM, caote_scores,
                                               max_pool_1d)
 from tiny import tiny_model
@@ -19,6 +19,11 @@ FULL = dict(capacity_pct=100, capacity_floor=4096, topk_pct=100, topk_floor=4096
 SMALL = dict(capacity_pct=10, capacity_floor=24, topk_pct=5, topk_floor=16, dense_layers=1, sinks=2,
              recent=8, interval_blocks=2, lookahead_blocks=3)
 EXTRA = {"snapkv": dict(window=8)}  # the default 32-query window does not fit a 24-entry floor
+
+
+def _knobs(name, kw):
+    """The knobs of `kw` that policy `name` has (a policy refuses knobs it lacks)."""
+    return {k: v for k, v in kw.items() if k in knobs(name)}
 GC = GenerationConfig(max_new_tokens=32, prefill_chunk=32, stop_at_eos=False)
 
 
@@ -45,14 +50,14 @@ def test_registered_names():
 
 @pytest.mark.parametrize("name", NAMES)
 def test_full_budget_equals_dense(model, dense_tokens, name):
-    out = generate(model, _prompts(), GC, policy=make(name, **FULL))
+    out = generate(model, _prompts(), GC, policy=make(name, **_knobs(name, FULL)))
     assert out.tokens == dense_tokens
     assert out.stats["evictions"] == 0
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_small_budget_runs_end_to_end(model, name):
-    pol = make(name, **SMALL, **EXTRA.get(name, {}))
+    pol = make(name, **_knobs(name, SMALL), **EXTRA.get(name, {}))
     out = generate(model, _prompts(), GC, policy=pol, cache_dtype=jnp.bfloat16)
     assert all(len(t) == 32 for t in out.tokens)
     if name == "herald":
@@ -63,13 +68,13 @@ def test_small_budget_runs_end_to_end(model, name):
         assert out.stats["evictions"] == 1
         for live, plen in zip(out.stats["live_entries"], (70, 45)):
             n_pre = plen // 8 * 8
-            assert live <= max(pol.capacity(n_pre), 0) + (32 + 8)
+            assert live <= max(pol.eviction.budget.capacity(n_pre), 0) + (32 + 8)
             assert live < plen + 32
         return
     else:
         assert out.stats["evictions"] >= 2
         for live, s in zip(out.stats["live_entries"], seen):
-            assert live <= pol.capacity(s) + pol.interval_blocks * 8
+            assert live <= pol.eviction.budget.capacity(s) + pol.interval_blocks * 8
     assert min(out.stats["reduction_final"]) > 1.0
 
 
@@ -94,7 +99,7 @@ def test_streaming_keeps_exactly_sinks_and_newest():
     c = _hand_cache(np.random.RandomState(0).randn(n, 4), list(range(n)))
     pol = StreamingLLM(capacity_floor=9, sinks=3, recent=2)
     mass = _row(np.random.RandomState(1).rand(n))  # ignored
-    out = pol.evict(c, mass, None, jnp.asarray([9]), 9)
+    out = pol.eviction.evict(c, mass, None, jnp.asarray([9]), 9)
     assert _kept(out) == [0, 1, 2] + list(range(14, 20))
 
 
@@ -102,17 +107,22 @@ def test_streaming_bounded_evicts_while_prefilling(model):
     """After a prefill chunk the lane keeps exactly its sinks and newest entries, with no probe
     forward (no params are read); end to end, the peak stays near C + one chunk while
     `streaming` first holds the whole prompt."""
-    from maskahead_jax.generate import _evict_during_prefill
+    from maskahead_jax.policies import StepContext
 
     n = 20
     c = _hand_cache(np.random.RandomState(0).randn(n, 4), list(range(n)))
     pol = make("streaming-bounded", capacity_floor=9, sinks=3, recent=2)
-    out = _evict_during_prefill(None, model.config, pol, c, None, jnp.asarray([n]), jnp.asarray([True]), n)
+
+    def no_forward(*args):
+        raise AssertionError("a position ranking needs no probe forward")
+
+    ctx = StepContext(no_forward, None, jnp.asarray([n]), jnp.asarray([n]), 8, 0, n, jnp.asarray([True]))
+    out = pol.on_prefill_chunk(c, ctx)
     assert _kept(out) == [0, 1, 2] + list(range(14, 20))
 
     prompts = _prompts((150, 97), seed=3)
-    bounded = generate(model, prompts, GC, policy=make("streaming-bounded", **SMALL))
-    plain = generate(model, prompts, GC, policy=make("streaming", **SMALL))
+    bounded = generate(model, prompts, GC, policy=make("streaming-bounded", **_knobs("streaming", SMALL)))
+    plain = generate(model, prompts, GC, policy=make("streaming", **_knobs("streaming", SMALL)))
     assert max(bounded.stats["kv_bytes_peak"]) < 0.6 * max(plain.stats["kv_bytes_peak"])
     assert bounded.tokens != plain.tokens  # the first block no longer reads the prompt's middle
 
@@ -123,10 +133,11 @@ def test_h2o_keeps_highest_accumulated_mass():
     pol = H2O(capacity_floor=3, sinks=0, recent=0)
     m1 = np.array([0.5, 0.0, 0.1, 0.0, 0.1, 0.1, 0.2, 0.0])
     m2 = np.array([0.0, 0.4, 0.1, 0.0, 0.3, 0.0, 0.2, 0.0])
-    c = pol.observe(pol.observe(c, _row(m1)), _row(m2))
+    obs = pol.eviction.scorer.observe
+    c = obs(obs(c, _row(m1)), _row(m2))
     np.testing.assert_allclose(np.asarray(c.acc)[0, 0, 0], m1 + m2, atol=1e-7)
     # accumulated: 0.5 0.4 0.2 0 0.4 0.1 0.4 0 -> the top 4 are 0, 1, 4, 6
-    out = pol.evict(c, _row(np.zeros(n)), None, jnp.asarray([4]), 4)
+    out = pol.eviction.evict(c, _row(np.zeros(n)), None, jnp.asarray([4]), 4)
     assert _kept(out) == [0, 1, 4, 6]
     # the step-0 mass of the evicting block alone would pick differently
     assert set(np.argsort(-m2)[:4]) != {0, 1, 4, 6}
@@ -143,10 +154,10 @@ def test_caote_score_matches_formula_and_ranks_far_values_first():
     got = np.asarray(caote_scores(jnp.asarray(acc), jnp.asarray(v), jnp.ones(4, bool)))
     np.testing.assert_allclose(got, want, rtol=1e-5)
     c = _hand_cache(v, [0, 1, 2, 3])._replace(acc=_row(acc))
-    out = CAOTE(capacity_floor=2, sinks=0, recent=0).evict(c, _row(np.zeros(4)), None, jnp.asarray([2]), 2)
+    out = CAOTE(capacity_floor=2, sinks=0, recent=0).eviction.evict(c, _row(np.zeros(4)), None, jnp.asarray([2]), 2)
     assert _kept(out) == sorted(np.argsort(-want)[:2].tolist())
     # plain H2O keeps the two largest accumulators instead
-    out = H2O(capacity_floor=2, sinks=0, recent=0).evict(c, _row(np.zeros(4)), None, jnp.asarray([2]), 2)
+    out = H2O(capacity_floor=2, sinks=0, recent=0).eviction.evict(c, _row(np.zeros(4)), None, jnp.asarray([2]), 2)
     assert _kept(out) == [0, 1]
 
 
@@ -161,10 +172,10 @@ def test_snapkv_keeps_window_and_max_pooled_top():
     pooled = np.asarray(max_pool_1d(jnp.asarray(probe), 3))
     np.testing.assert_allclose(pooled[4:7], [1.0, 1.0, 1.0])
     np.testing.assert_allclose(pooled[[0, 13, 15]], [0.01, 0.9, 0.01])
-    out = pol.evict(c, _row(np.ones(n)), _row(probe), jnp.asarray([7]), 7)
+    out = pol.eviction.evict(c, _row(np.ones(n)), _row(probe), jnp.asarray([7]), 7)
     assert _kept(out) == [4, 5, 6, 12, 13, 14, 15]  # 3 pooled around the peak + the 4-entry window
     # the step-0 mass is ignored by SnapKV (only the window queries vote)
-    assert pol.schedule(jnp.int32(4), out).tolist() == [False]
+    assert pol.due_after_block(jnp.int32(4), out).tolist() == [False]
 
 
 def test_herald_pools_a_single_centre_query():

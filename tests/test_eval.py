@@ -317,10 +317,11 @@ def test_sweep_rejects_bad_input(tmp_path):
         run_sweep(model, [], ["dense"], [None], str(tmp_path), NumTok())
     with pytest.raises(ValueError):
         run_sweep(model, exs + exs[:1], ["dense"], [None], str(tmp_path), NumTok())
-    r = run_sweep(model, exs[:1], ["dense", "no-such-policy"], [10], str(tmp_path), NumTok(),
+    # an unknown policy is refused before anything runs (dense would run first otherwise)
+    with pytest.raises(PO.PolicyError, match="unknown policy 'no-such-policy'"):
+        run_sweep(model, exs[:1], ["dense", "no-such-policy"], [10], str(tmp_path), NumTok(),
                   progress=False, plots=False)
-    assert r.errors and r.errors[0]["policy"] == "no-such-policy"
-    assert "error: no-such-policy" in to_markdown(r.summary)
+    assert not os.path.exists(os.path.join(str(tmp_path), "results.jsonl"))
 
 
 def test_budget_plot_when_exposed(tmp_path):
@@ -369,11 +370,13 @@ def test_hf_tokenizer_with_chat_template(tmp_path):
     assert not plain.has_chat_template and plain.encode_prompt("the pass key")[0] == 1  # [BOS]
 
 
-def test_fallback_without_registry(monkeypatch):
+def test_one_registry_one_policy_error():
+    """The evaluation front end is the registry's: one PolicyError class, one list of names; a
+    sweep's budget list is dropped for a policy without a budget, which `make` itself refuses."""
     import maskahead_jax.policies as P
 
-    monkeypatch.delattr(P, "make", raising=False)
-    assert PO.available() == ["dense"]
+    assert PO.PolicyError is P.PolicyError and PO.available() == P.names()
     assert isinstance(PO.make_policy("dense", 10), Dense)
-    with pytest.raises(PO.PolicyError, match="not available"):
-        PO.make_policy("maskahead", 10)
+    assert PO.make_policy("mage", 10) == P.make("mage")
+    with pytest.raises(P.PolicyError, match="takes no budget"):
+        P.make("mage", 10)

@@ -6,7 +6,7 @@ import pytest
 
 from maskahead_jax.config import GenerationConfig
 from maskahead_jax.generate import PromptTooLongError, generate
-from maskahead_jax.reference_loop import reference_generate
+from maskahead_jax.engine.reference import reference_generate
 from tiny import BIDIRECTIONAL, BLOCK_CAUSAL, EOS, tiny_model
 
 
@@ -73,7 +73,7 @@ def test_compiles_once_for_different_block_counts():
     """Runs that stop after different numbers of blocks (EOS is data) share one compile."""
     import importlib
 
-    G = importlib.import_module("maskahead_jax.generate")
+    G = importlib.import_module("maskahead_jax.engine.generate")
 
     m = tiny_model("sdar", seed=7)
     free = GenerationConfig(max_new_tokens=48, prefill_chunk=16, stop_at_eos=False)

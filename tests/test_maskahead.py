@@ -13,8 +13,9 @@ from hypothesis import given, settings, strategies as st
 from maskahead_jax import cache as kvc
 from maskahead_jax.config import GenerationConfig
 from maskahead_jax.generate import generate
+from maskahead_jax.policies.eviction import Eviction
 from maskahead_jax.kernels import reference as ref
-from maskahead_jax.policies import MaskAhead, PolicyError, make
+from maskahead_jax.policies import MaskAhead, PolicyError, make, takes_budget
 from tiny import tiny_model
 
 FULL = dict(capacity_pct=100, capacity_floor=4096, topk_pct=100, topk_floor=4096, dense_layers=1)
@@ -32,7 +33,8 @@ def test_full_budget_equals_dense(name):
     m = tiny_model("sdar", num_layers=4)
     gc = GenerationConfig(max_new_tokens=40, prefill_chunk=32, stop_at_eos=False)
     dense = generate(m, _prompts(), gc)
-    out = generate(m, _prompts(), gc, policy=make(name, **FULL))
+    kw = FULL if takes_budget(name) else {k: v for k, v in FULL.items() if not k.startswith("capacity")}
+    out = generate(m, _prompts(), gc, policy=make(name, **kw))
     assert out.tokens == dense.tokens
 
 
@@ -45,7 +47,7 @@ def test_small_budget_evicts_and_bounds_memory():
     seen = [70 + 40, 45 + 40]
     for live, s in zip(out.stats["live_entries"], seen):
         # after the last eviction at most interval_blocks blocks were appended
-        assert live <= pol.capacity(s) + pol.interval_blocks * 8
+        assert live <= pol.eviction.budget.capacity(s) + pol.interval_blocks * 8
     assert min(out.stats["reduction_final"]) > 1.0
 
 
@@ -112,7 +114,7 @@ def test_value_aware_score_prefers_far_values_over_centre():
     assert s[0] < 1e-5 < s[1]
     pol = MaskAhead(capacity_floor=2, recent=0, sinks=0, lookahead_blocks=1)
     c = _hand_cache(v, [10, 11, 12, 13])
-    out = pol.evict(c, jnp.asarray(mass)[None, None, None], None, jnp.asarray([2]), 4)
+    out = pol.eviction.evict(c, jnp.asarray(mass)[None, None, None], None, jnp.asarray([2]), 4)
     kept = set(np.asarray(out.pos)[0, 0, 0][np.asarray(out.valid)[0, 0, 0]].tolist())
     assert 11 in kept and 10 not in kept
 
@@ -129,8 +131,8 @@ def test_probe_mass_saves_a_needle_and_forced_entries_survive():
     pol = MaskAhead(capacity_floor=5, recent=2, sinks=2, lookahead_blocks=4)
     c = _hand_cache(v, pos)
     m0 = jnp.asarray(mass0)[None, None, None]
-    with_probe = pol.evict(c, m0, jnp.asarray(probe)[None, None, None], jnp.asarray([5]), 8)
-    without = pol.evict(c, m0, None, jnp.asarray([5]), 8)
+    with_probe = pol.eviction.evict(c, m0, jnp.asarray(probe)[None, None, None], jnp.asarray([5]), 8)
+    without = pol.eviction.evict(c, m0, None, jnp.asarray([5]), 8)
     kept = lambda cc: np.asarray(cc.pos)[0, 0, 0][np.asarray(cc.valid)[0, 0, 0]].tolist()
     assert 6 in kept(with_probe) and 6 not in kept(without)
     for kk in (kept(with_probe), kept(without)):
@@ -165,7 +167,7 @@ def test_cache_invariants_under_random_schedules(schedule, seed):
         keep = np.minimum(np.asarray(c.length), max(budget, 3))
         prev = _kept(c)
         mass = jnp.asarray(rng.rand(*c.valid.shape), jnp.float32)
-        c = pol.evict(c, mass, None, jnp.asarray(keep, jnp.int32), cap)
+        c = pol.eviction.evict(c, mass, None, jnp.asarray(keep, jnp.int32), cap)
         now = _kept(c)
         for lane, ps in now.items():
             row = lane[1]
@@ -245,11 +247,18 @@ def test_question_probe_on_the_released_schedule():
     calls = []
 
     @dataclasses.dataclass(frozen=True)
-    class Recording(MaskAhead):
+    class RecordingEviction(Eviction):
         def evict(self, cache, mass0, probe_mass, keep, capacity, pinned=None):
             out = super().evict(cache, mass0, probe_mass, keep, capacity, pinned=pinned)
             calls.append((pinned is not None, _kept(out)))
             return out
+
+    @dataclasses.dataclass(frozen=True)
+    class Recording(MaskAhead):
+        @property
+        def eviction(self):
+            ev = super().eviction
+            return RecordingEviction(**{f.name: getattr(ev, f.name) for f in dataclasses.fields(ev)})
 
     q = 16
     pol = Recording(**SMALL, question_tokens=q, pin_question=True)
@@ -262,11 +271,13 @@ def test_question_probe_on_the_released_schedule():
         for (l, b, h), kept in calls[0][1].items():
             if b == row:
                 assert span <= set(kept), (l, h, sorted(span - set(kept)))
-                assert len(kept) == pol.capacity(n_pre) < n_pre  # it did evict
+                assert len(kept) == pol.eviction.budget.capacity(n_pre) < n_pre  # it did evict
 
     with pytest.raises(PolicyError, match="question_tokens must be >= 0"):
         generate(m, prompts, gc, policy=MaskAhead(**SMALL, question_tokens=-1))
+    with pytest.raises(PolicyError, match="has no knob .*question_tokens"):
+        make("h2o", **SMALL, question_tokens=8)  # H2O has no probe to replace
     with pytest.raises(PolicyError, match="needs MaskAhead's lookahead probe"):
-        generate(m, prompts, gc, policy=make("h2o", **SMALL, question_tokens=8))
+        generate(m, prompts, gc, policy=MaskAhead(**dict(SMALL, lookahead_blocks=1), question_tokens=8))
     with pytest.raises(PolicyError, match="pin_question needs question_tokens"):
         generate(m, prompts, gc, policy=MaskAhead(**SMALL, pin_question=True))

@@ -15,7 +15,7 @@ from maskahead_jax.config import GenerationConfig
 from maskahead_jax.generate import generate
 from maskahead_jax.policies import PolicyError, make
 from maskahead_jax.policies.maskkv import (AdaKV, MaskKV, PyramidKV, adakv_head_budgets, head_budgets,
-                                           keep_ragged, layer_budgets, pyramid_budgets)
+                                           layer_budgets, pyramid_budgets)
 from tiny import tiny_model
 
 GC = GenerationConfig(max_new_tokens=16, stop_at_eos=False, prompt_refresh=0)
@@ -112,12 +112,12 @@ def test_pyramid_and_adakv_allocations():
     assert sum(k) == 2 * 4
 
 
-def test_keep_ragged_holes_and_order():
+def test_ragged_keep_counts_holes_and_order():
     c = kvc.empty(1, 1, 2, 6, 2, jnp.float32)
     v = jnp.asarray(np.random.RandomState(0).randn(1, 1, 2, 6, 2), jnp.float32)
     c = kvc.append(c, v, v, jnp.asarray([[10, 11, 12, 13, 14, 15]], jnp.int32), jnp.asarray([6]))
     s = jnp.asarray([[[[0.1, 0.9, 0.2, 0.8, 0.3, 0.7], [0.6, 0.5, 0.4, 0.3, 0.2, 0.1]]]])
-    out = keep_ragged(c, s, jnp.asarray([[[3, 1]]]), 4)
+    out = c.keep_top(s, jnp.asarray([[[3, 1]]]), 4)  # ragged counts [L, B, Hkv]
     assert out.capacity == 4
     pos, val = np.asarray(out.pos)[0, 0], np.asarray(out.valid)[0, 0]
     assert pos[0][val[0]].tolist() == [11, 13, 15] and pos[1][val[1]].tolist() == [10]
@@ -176,13 +176,15 @@ def test_invalid_settings_are_clear_errors():
     for bad, match in [(MaskKV(budget_per_head=0), "budget_per_head"),
                        (MaskKV(budget_per_head=-4), "budget_per_head"),
                        (MaskKV(budget_pct=0.0), "budget_pct"),
-                       (make("pyramidkv", capacity_pct=-1), "budget_pct"),
+                       (PyramidKV(budget_pct=-1.0), "budget_pct"),
                        (MaskKV(layer_importance=(1.0, 2.0)), "layer_importance"),
                        (MaskKV(layer_importance=(1.0, -2.0, 1.0)), "layer_importance"),
                        (MaskKV(beta=1.5), "beta"),
                        (AdaKV(head_alloc="nope"), "head_alloc")]:
         with pytest.raises(PolicyError, match=match):
             generate(m, [[1, 2, 3]], GC, policy=bad)
+    with pytest.raises(PolicyError, match="budget_pct must be a percentage"):
+        make("pyramidkv", capacity_pct=-1)  # refused when built, before any model is touched
     with pytest.raises(PolicyError, match="bidirectional"):
         generate(tiny_model("sdar"), [[1, 2, 3]], GenerationConfig(max_new_tokens=8), policy=MaskKV())
     with pytest.raises(PolicyError, match="importance"):

@@ -1,4 +1,4 @@
-"""Q-MaskAhead end to end: the packed cache (qcache.QKVCache) against a float cache holding the
+"""Q-MaskAhead end to end: the packed cache (maskahead_jax.cache.QKVCache) against a float cache holding the
 same quantize -> dequantize values, memory from the arrays, 2-bit, registry and errors."""
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from maskahead_jax import cache as kvc
-from maskahead_jax import qcache, quant
+from maskahead_jax import quant
+from maskahead_jax.cache import QKVCache, choose_slots, packed, simulated
 from maskahead_jax.config import GenerationConfig
 from maskahead_jax.generate import generate
 from maskahead_jax.policies import MaskAhead, PolicyError, QMaskAhead, make
@@ -49,9 +50,9 @@ def test_cache_ops_match_the_float_round_trip():
     """append / keep_top / resize on the packed cache == the same ops on a float cache that
     stores quantize -> dequantize values (keys of survivors requantized on eviction)."""
     l, b, h, d = 2, 2, 1, 32
-    qc = qcache.empty(l, b, h, 128, d, 4)
-    sc = qcache.sim_empty(l, b, h, 128, d, jnp.float32, 4)
-    assert isinstance(qc, qcache.QKVCache) and qc.capacity == 128
+    qc = packed.empty(l, b, h, 128, d, 4)
+    sc = simulated.sim_empty(l, b, h, 128, d, jnp.float32, 4)
+    assert isinstance(qc, QKVCache) and qc.capacity == 128
     for step in range(2):
         k, v = _kv(jax.random.PRNGKey(step))
         pos = jnp.broadcast_to(step * 64 + jnp.arange(64, dtype=jnp.int32), (b, 64))
@@ -87,7 +88,7 @@ def test_cache_ops_match_the_float_round_trip():
     # the packed context a layer reads, and the compact bf16 buffer of selected entries
     ctx = q3.context(1, 2)
     assert isinstance(ctx.k, quant.QuantKV) and ctx.v is None and ctx.valid.shape == (1, b, h, 96)
-    idx, kp = qcache.top_indices(q3.valid, q3.pos, scores[..., :96], jnp.array([8, 8]), 8)
+    idx, kp = choose_slots(q3.valid, q3.pos, scores[..., :96], jnp.array([8, 8]), 8)
     sel = q3.select_context(idx, kp)
     assert sel.k.dtype == jnp.bfloat16 and sel.k.shape == (l, b, h, 8, d)
     with pytest.raises(ValueError, match="multiple of 32"):
@@ -128,8 +129,8 @@ def test_two_bit_and_bf16_runs_end_to_end():
 
 # ----------------------------------------------------------------------------- memory
 def test_bytes_per_token_at_d128_from_the_arrays():
-    q4 = qcache.empty(1, 1, 1, 64, 128, 4)
-    q2 = qcache.empty(1, 1, 1, 64, 128, 2)
+    q4 = packed.empty(1, 1, 1, 64, 128, 4)
+    q2 = packed.empty(1, 1, 1, 64, 128, 2)
     f = kvc.empty(1, 1, 1, 64, 128, jnp.bfloat16)
     dense = (f.k.nbytes + f.v.nbytes) / 64
     assert q4.bytes_per_token == 160 and q2.bytes_per_token == 96 and dense == 512

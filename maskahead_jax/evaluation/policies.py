@@ -1,42 +1,15 @@
-"""Policy construction by name, through `maskahead_jax.policies.make` when it exists."""
+"""The evaluation front end of the one policy registry (maskahead_jax.policies): knob and
+capacity parsing for the command line, and the budgets a policy exposes for plots."""
 from __future__ import annotations
 
 from typing import Optional
 
-KNOWN = ("dense", "maskahead", "maskahead-noevict", "q-maskahead", "mage", "herald", "streaming",
-         "h2o", "caote", "snapkv", "maskkv", "pyramidkv", "adakv")
-NO_CAPACITY = ("dense",)
-
-
-class PolicyError(ValueError):
-    """Unknown policy name or a bad budget."""
-
-
-def _registry():
-    try:
-        from .. import policies as P
-    except Exception:  # pragma: no cover - the package always imports
-        return None
-    return getattr(P, "make", None)
+from ..policies import PolicyError, make, names, takes_budget  # noqa: F401  (one registry, one error)
 
 
 def available() -> list[str]:
-    """Names `make_policy` can build in this checkout."""
-    mk = _registry()
-    if mk is None:
-        return ["dense"]
-    from .. import policies as P
-
-    if hasattr(P, "names"):
-        return list(P.names())
-    out = []
-    for n in KNOWN:
-        try:
-            mk(n, None if n in NO_CAPACITY else 10.0)
-            out.append(n)
-        except Exception:
-            pass
-    return out or ["dense"]
+    """Names `make_policy` can build."""
+    return names()
 
 
 def parse_policy_kw(text: Optional[str]) -> dict:
@@ -78,20 +51,15 @@ def parse_capacities(text) -> list[Optional[float]]:
 
 
 def make_policy(name: str, capacity_pct: Optional[float] = None, **kw):
-    """Build a policy: `maskahead_jax.policies.make(name, capacity_pct, **kw)` when the registry
-    exists, else only "dense". Raises PolicyError with the known names otherwise."""
-    name = name.strip().lower()
+    """`maskahead_jax.policies.make`, except that a budget given to a policy that has none is
+    dropped rather than refused: a sweep's --capacity list applies to the policies it fits, and
+    the others run once (`sweep._runs`). Errors are the registry's PolicyError."""
     if capacity_pct is not None and not 0 < float(capacity_pct) <= 100:
         raise PolicyError(f"capacity {capacity_pct} out of range: a percentage in (0, 100]")
-    mk = _registry()
-    if mk is None:
-        if name == "dense":
-            from ..policies import Dense
-            return Dense()
-        raise PolicyError(f"policy {name!r} is not available in this checkout "
-                          f"(maskahead_jax.policies.make is missing); available: ['dense']")
+    if capacity_pct is not None and not takes_budget(name):
+        capacity_pct = None
     try:
-        return mk(name, None if name in NO_CAPACITY else capacity_pct, **kw)
+        return make(name, capacity_pct, **kw)
     except PolicyError:
         raise
     except (KeyError, ValueError, TypeError) as e:

@@ -26,7 +26,7 @@ import numpy as np
 
 from ..config import GenerationConfig
 from .datasets import EvalExample, Tokenizer, score_example
-from .policies import NO_CAPACITY, make_policy, policy_budgets
+from .policies import make_policy, policy_budgets, takes_budget
 from .stats import paired_sign_test
 
 REFERENCE = "maskahead"
@@ -252,7 +252,7 @@ def _runs(policies: Sequence[str], capacities: Sequence[Optional[float]]) -> lis
     runs = []
     for p in policies:
         p = p.strip().lower()
-        caps = [None] if p in NO_CAPACITY else [c for c in capacities if c is not None] or [None]
+        caps = [None] if not takes_budget(p) else [c for c in capacities if c is not None] or [None]
         for c in caps:
             if (p, c) not in runs:
                 runs.append((p, c))

@@ -1,37 +1,37 @@
 """KV-cache policies: frozen, hashable dataclasses passed to `generate(..., policy=...)`.
 
-`make(name, capacity_pct=None, **knobs)` builds one by name (the CLI and the sweep use it)."""
-from .base import Dense
-from .maskahead import BoundedPrefillMaskAhead, MaskAhead, PolicyError
-
-_REGISTRY = {
-    "dense": lambda **kw: Dense(),
-    "maskahead": lambda **kw: MaskAhead(**kw),
-    "maskahead-noevict": lambda **kw: MaskAhead(evict_ranking="none", **kw),
-    "mage": lambda **kw: MaskAhead(select_ranking="mass", evict_ranking="none", **kw),
-    "maskahead-bounded": lambda **kw: BoundedPrefillMaskAhead(**kw),
-}
-
-
-def register(name: str, factory) -> None:
-    """Add a policy factory under `name` (used by the modules defining baselines)."""
-    _REGISTRY[name] = factory
+The protocol the engine calls is in protocol.py; most policies compose a selection part
+(selection.py) and an eviction part (eviction.py: budget, schedule, forced keeps, a scorer from
+scorers.py, a probe from probes.py) through composed.py. `make(name, capacity_pct=None,
+**knobs)` builds one by name from the one registry (registry.py); `register` adds yours
+(docs/extending.md).
+"""
+from .protocol import BlockResult, Dense, Policy, PolicyError, StepContext
+from .registry import knobs, make, names, register, takes_budget
+from .composed import ComposedPolicy
+from .maskahead import BoundedPrefillMaskAhead, MaskAhead
+from .qmaskahead import QMaskAhead
+from .baselines import CAOTE, H2O, HERALD, BoundedPrefillStreamingLLM, SnapKV, StreamingLLM
+from .maskkv import AdaKV, MaskKV, PyramidKV
 
 
-def names() -> list[str]:
-    return sorted(_REGISTRY)
+register("dense", Dense, budget_field=None)
+register("maskahead", MaskAhead)
+register("maskahead-noevict", MaskAhead, evict_ranking="none")
+register("mage", MaskAhead, select_ranking="mass", evict_ranking="none")
+register("maskahead-bounded", BoundedPrefillMaskAhead)
+register("q-maskahead", QMaskAhead)
+register("streaming", StreamingLLM)
+register("streaming-bounded", BoundedPrefillStreamingLLM)
+register("h2o", H2O)
+register("caote", CAOTE)
+register("snapkv", SnapKV)
+register("herald", HERALD)
+register("maskkv", MaskKV, budget_field="budget_pct")
+register("pyramidkv", PyramidKV, budget_field="budget_pct")
+register("adakv", AdaKV, budget_field="budget_pct")
 
-
-def make(name: str, capacity_pct: float | None = None, **knobs):
-    """Build a policy by name; `capacity_pct` sets the eviction budget where the policy has one."""
-    key = name.lower().replace("_", "-")
-    if key not in _REGISTRY:
-        raise PolicyError(f"unknown policy {name!r}; known: {', '.join(names())}")
-    if capacity_pct is not None and key != "dense":
-        knobs["capacity_pct"] = float(capacity_pct)
-    return _REGISTRY[key](**knobs)
-
-
-__all__ = ["BoundedPrefillMaskAhead", "Dense", "MaskAhead", "PolicyError", "make", "names", "register"]
-from .qmaskahead import QMaskAhead  # noqa: E402,F401  (registers "q-maskahead")
-from . import baselines, maskkv  # noqa: E402,F401  (register streaming, h2o, caote, snapkv, herald, maskkv, pyramidkv, adakv)
+__all__ = ["AdaKV", "BlockResult", "BoundedPrefillMaskAhead", "BoundedPrefillStreamingLLM", "CAOTE",
+           "ComposedPolicy", "Dense", "H2O", "HERALD", "MaskAhead", "MaskKV", "Policy", "PolicyError",
+           "PyramidKV", "QMaskAhead", "SnapKV", "StepContext", "StreamingLLM", "knobs", "make", "names",
+           "register", "takes_budget"]

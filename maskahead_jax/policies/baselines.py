@@ -1,8 +1,8 @@
 """Eviction / selection baselines of the released MaskAhead code (research/maskahead.md §6
-"Baselines"): every one shares MaskAhead's value-aware selector (step-0 a_i * ||v_i - c||, top-k
-per (layer, batch, KV head)), its capacity C = max(floor(capacity_pct% * seen), capacity_floor),
-its schedule (every `interval_blocks` blocks, deferred to step 0 of the next block) and its
-compaction; only the keep ranking differs.
+"Baselines"). Every one composes MaskAhead's value-aware selector (step-0 a_i * ||v_i - c||,
+top-k per (layer, batch, KV head)) with an eviction part of its own; they share the budget
+C = max(floor(capacity_pct% * seen), capacity_floor), the schedule (every `interval_blocks`
+blocks, deferred to step 0 of the next block) and the compaction. Only the ranking differs:
 
   streaming  StreamingLLM: sinks + the most recent entries (score = position)
   streaming-bounded  StreamingLLM as it streams: the same ranking also applied after every
@@ -14,157 +14,164 @@ compaction; only the keep ranking differs.
              scores max-pooled over `pool` (5) neighbouring positions; the window is kept;
              no later evictions
   herald     HERALD-like: the selection statistics come from a single centre mask query; no
-             eviction
+             eviction (so no budget)
 """
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
-import jax
-import jax.numpy as jnp
-
-from ..cache import KVCache
-from . import register
-from .maskahead import BoundedPrefillMaskAhead, MaskAhead, PolicyError
+from .composed import ComposedPolicy
+from .eviction import Budget, Eviction, ForcedKeeps
+from .maskahead import check_pct, check_positive
+from .probes import PromptWindow
+from .protocol import PolicyError
+from .scorers import CAOTE as CAOTEScore, Accumulated, PooledVote, PositionScore, caote_scores, max_pool_1d
+from .selection import Selector
 
 
 @dataclasses.dataclass(frozen=True)
-class StreamingLLM(MaskAhead):
+class SelectKnobs:
+    """The released selector's knobs (MaskAhead's), shared by every baseline."""
+
+    topk_pct: float = 5.0
+    topk_floor: int = 256
+    dense_layers: int = 2
+
+    @property
+    def selector(self) -> Selector:
+        return Selector("value", self.topk_pct, self.topk_floor, self.dense_layers)
+
+    def check_selector(self) -> None:
+        check_pct(topk_pct=self.topk_pct)
+        check_positive(topk_floor=self.topk_floor)
+        if self.dense_layers < 0:
+            raise PolicyError(f"dense_layers must be >= 0, got {self.dense_layers}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledEviction(SelectKnobs, ComposedPolicy):
+    """Selector + an eviction every `interval_blocks` blocks to C(seen), keeping sinks + recent;
+    a subclass names its scorer (and its probe, if any)."""
+
+    capacity_pct: float = 10.0
+    capacity_floor: int = 512
+    sinks: int = 4
+    recent: int = 64
+    interval_blocks: int = 4
+
+    def scorer(self):
+        raise NotImplementedError
+
+    @property
+    def eviction(self) -> Eviction:
+        return Eviction(Budget(self.capacity_pct, self.capacity_floor), self.scorer(),
+                        ForcedKeeps(self.sinks, self.recent), interval_blocks=self.interval_blocks)
+
+    def validate(self, cfg, gen) -> None:
+        self.check_selector()
+        check_pct(capacity_pct=self.capacity_pct)
+        check_positive(capacity_floor=self.capacity_floor, interval_blocks=self.interval_blocks)
+        if self.sinks < 0 or self.recent < 0:
+            raise PolicyError("sinks and recent must be >= 0")
+        if self.capacity_floor < self.recent + self.sinks:
+            raise PolicyError(
+                f"capacity_floor={self.capacity_floor} is below recent + sinks = "
+                f"{self.recent + self.sinks}: the forced keeps would not fit")
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamingLLM(ScheduledEviction):
     """Keep the first `sinks` positions and the newest C - sinks entries."""
 
     name = "streaming"
-    needs_probe = False
 
-    def eviction_scores(self, cache: KVCache, mass0, probe_mass):
-        # newest first; sinks / the recent window are forced by MaskAhead.forced
-        return cache.pos.astype(jnp.float32)
+    def scorer(self):
+        return PositionScore()
 
 
 @dataclasses.dataclass(frozen=True)
-class BoundedPrefillStreamingLLM(BoundedPrefillMaskAhead, StreamingLLM):
+class BoundedPrefillStreamingLLM(StreamingLLM):
     """StreamingLLM that evicts during chunked prefill too, as StreamingLLM itself does (it never
     holds more than its sinks and window). `streaming` defers the prompt's compression to step 0
-    of the first block, as the released MaskAhead code does for every baseline, so a one-token
-    answer committed at that step still reads the whole prompt; this one shows what keeping the
-    recent window alone loses. No probe forward (the ranking is by position), nothing pinned."""
+    of the first block, so a one-token answer committed at that step still reads the whole
+    prompt; this one shows what keeping the recent window alone loses. No probe forward (the
+    ranking is by position), nothing pinned."""
 
     name = "streaming-bounded"
-    pin_question: bool = False
+
+    @property
+    def eviction(self) -> Eviction:
+        return dataclasses.replace(super().eviction, bounded_prefill=True)
 
 
 @dataclasses.dataclass(frozen=True)
-class H2O(MaskAhead):
+class H2O(ScheduledEviction):
     """Heavy hitters: rank by the step-0 mass accumulated since an entry entered the cache."""
 
     name = "h2o"
     decay: float = 1.0  # acc <- decay * acc + mass at every block's step 0 (1: plain sum)
-    needs_probe = False
+
+    def scorer(self):
+        return Accumulated(self.decay)
 
     def validate(self, cfg, gen) -> None:
         super().validate(cfg, gen)
         if not 0.0 < self.decay <= 1.0:
             raise PolicyError(f"decay must be in (0, 1], got {self.decay}")
 
-    def observe(self, cache: KVCache, mass) -> KVCache:
-        if mass is None:
-            return cache
-        acc = self.decay * cache.acc + jnp.where(cache.valid, mass.astype(jnp.float32), 0.0)
-        return cache._replace(acc=acc)
-
-    def eviction_scores(self, cache: KVCache, mass0, probe_mass):
-        return cache.acc
-
-
-def caote_scores(acc: jax.Array, v: jax.Array, valid: jax.Array, eps: float = 1e-6) -> jax.Array:
-    """CAOTE eviction error h_i / (1 - h_i) * ||v_i - o||, h = acc normalised over the lane's valid
-    entries, o = sum_i h_i v_i.  acc/valid [..., S], v [..., S, D]."""
-    h = jnp.where(valid, acc.astype(jnp.float32), 0.0)
-    h = h / jnp.maximum(h.sum(-1, keepdims=True), 1e-30)
-    vf = v.astype(jnp.float32)
-    o = jnp.einsum("...s,...sd->...d", h, vf)
-    dist = jnp.linalg.norm(vf - o[..., None, :], axis=-1)
-    return h / jnp.maximum(1.0 - h, eps) * dist
-
 
 @dataclasses.dataclass(frozen=True)
 class CAOTE(H2O):
     name = "caote"
 
-    def eviction_scores(self, cache: KVCache, mass0, probe_mass):
-        return caote_scores(cache.acc, cache.v, cache.valid)
-
-
-def max_pool_1d(x: jax.Array, kernel: int) -> jax.Array:
-    """Max over a centred window of `kernel` neighbours along the last axis (stride 1, 'same')."""
-    if kernel <= 1:
-        return x
-    lo = (kernel - 1) // 2
-    hi = kernel - 1 - lo
-    cfg = [(0, 0)] * (x.ndim - 1) + [(lo, hi)]
-    xp = jnp.pad(x, cfg, constant_values=-jnp.inf)
-    n = x.shape[-1]
-    return jnp.max(jnp.stack([xp[..., i:i + n] for i in range(kernel)], axis=0), axis=0)
+    def scorer(self):
+        return CAOTEScore(self.decay)
 
 
 @dataclasses.dataclass(frozen=True)
-class SnapKV(MaskAhead):
-    """Prompt-only compression after prefill, voted by the last `window` prompt queries."""
+class SnapKV(SelectKnobs, ComposedPolicy):
+    """Prompt-only compression after prefill, voted by the last `window` prompt queries; the
+    window and the first `sinks` positions are kept."""
 
     name = "snapkv"
+    capacity_pct: float = 10.0
+    capacity_floor: int = 512
     window: int = 32
     pool: int = 5
     sinks: int = 0
-    recent: int = 0  # the observation window plays the role of the recent window
-    probe_kind = "prompt_window"
-    needs_probe = True
+
+    @property
+    def eviction(self) -> Eviction:
+        return Eviction(Budget(self.capacity_pct, self.capacity_floor), PooledVote(self.pool),
+                        ForcedKeeps(self.sinks, self.window), probe=PromptWindow(self.window))
 
     def validate(self, cfg, gen) -> None:
-        super().validate(cfg, gen)
-        if self.window <= 0 or self.pool <= 0:
-            raise PolicyError(f"window and pool must be positive, got {self.window}, {self.pool}")
-        forced = max(self.window, self.recent) + self.sinks
-        if self.capacity_floor < forced:
+        self.check_selector()
+        check_pct(capacity_pct=self.capacity_pct)
+        check_positive(capacity_floor=self.capacity_floor, window=self.window, pool=self.pool)
+        if self.sinks < 0:
+            raise PolicyError(f"sinks must be >= 0, got {self.sinks}")
+        if self.capacity_floor < self.window + self.sinks:
             raise PolicyError(
-                f"capacity_floor={self.capacity_floor} is below max(window, recent) + sinks = "
-                f"{forced}: the forced keeps would not fit")
-
-    def plan(self, prompt_cap: int, total_cap: int, block_size: int, chunk: int = 512):
-        # the prompt is compressed once; every generated block is then kept
-        return prompt_cap, total_cap
-
-    def schedule(self, blocks_done, cache: KVCache) -> jax.Array:
-        return jnp.zeros(cache.length.shape, bool)
-
-    def eviction_scores(self, cache: KVCache, mass0, probe_mass):
-        a = mass0 if probe_mass is None else probe_mass  # the window queries' vote only
-        a = jnp.where(cache.valid, a.astype(jnp.float32), -jnp.inf)
-        return max_pool_1d(a, self.pool)
-
-    def forced(self, cache: KVCache) -> jax.Array:
-        slot = jnp.arange(cache.capacity)[None, None, None, :]
-        win = slot >= (cache.length[None, :, None, None] - max(self.window, self.recent))
-        return cache.valid & (win | ((cache.pos >= 0) & (cache.pos < self.sinks)))
+                f"capacity_floor={self.capacity_floor} is below window + sinks = "
+                f"{self.window + self.sinks}: the forced keeps would not fit")
 
 
 @dataclasses.dataclass(frozen=True)
-class HERALD(MaskAhead):
+class HERALD(SelectKnobs, ComposedPolicy):
     """Selection statistics from the single centre mask query of the block; no eviction."""
 
     name = "herald"
-    evict_ranking: str = "none"
+    takes_budget: ClassVar[bool] = False
 
-    def stat_rows(self, masked, active):
-        """[B, T]: only the middle one of each row's masked positions (the lower median)."""
-        rank = jnp.cumsum(masked.astype(jnp.int32), axis=-1) - 1
-        n = masked.sum(-1, keepdims=True)
-        return masked & (rank == (n - 1) // 2) & active[:, None]
+    @property
+    def selector(self) -> Selector:
+        return dataclasses.replace(super().selector, rows="centre")
+
+    def validate(self, cfg, gen) -> None:
+        self.check_selector()
 
 
-register("streaming", lambda **kw: StreamingLLM(**kw))
-register("streaming-bounded", lambda **kw: BoundedPrefillStreamingLLM(**kw))
-register("h2o", lambda **kw: H2O(**kw))
-register("caote", lambda **kw: CAOTE(**kw))
-register("snapkv", lambda **kw: SnapKV(**kw))
-register("herald", lambda **kw: HERALD(**kw))
-
-__all__ = ["StreamingLLM", "H2O", "CAOTE", "SnapKV", "HERALD", "caote_scores", "max_pool_1d"]
+__all__ = ["CAOTE", "H2O", "HERALD", "SnapKV", "StreamingLLM", "BoundedPrefillStreamingLLM",
+           "caote_scores", "max_pool_1d"]

@@ -17,28 +17,39 @@ eviction after the prompt probes the prompt's last N tokens at their real positi
 lookahead_blocks - 1 mask blocks after the prompt, in place of the step-0 block and its
 lookahead (the step-0 mass is still added); pin_question keeps that span. Bounded prefill
 (below) always probes this way, after every prefill chunk.
+
+The knobs are the released code's (SelectorConfig / EvictionConfig); `selector` and `eviction`
+compose them into the parts the engine runs (policies/composed.py).
 """
 from __future__ import annotations
 
 import dataclasses
-import math
+from typing import Optional
 
-import jax
-import jax.numpy as jnp
+from .composed import ComposedPolicy
+from .eviction import Budget, Eviction, ForcedKeeps
+from .probes import Lookahead, Question
+from .protocol import PolicyError
+from .scorers import MassScore, ValueScore
+from .selection import Selector
 
-from .. import cache as kvc
-from ..cache import KVCache
-from ..kernels.reference import value_score
-from ..model import Context
-from .base import Dense, ceil_pct
+RANKINGS = ("value", "mass", "none")
 
 
-class PolicyError(ValueError):
-    """An invalid policy setting (budgets, windows, unknown name)."""
+def check_pct(**values) -> None:
+    for name, v in values.items():
+        if not 0 < v <= 100:
+            raise PolicyError(f"{name} must be in (0, 100], got {v}")
+
+
+def check_positive(**values) -> None:
+    for name, v in values.items():
+        if v <= 0:
+            raise PolicyError(f"{name} must be positive, got {v}")
 
 
 @dataclasses.dataclass(frozen=True)
-class MaskAhead(Dense):
+class MaskAhead(ComposedPolicy):
     """MaskAhead with the released code's defaults (research/maskahead.md §6 "Budgets")."""
 
     name = "maskahead"
@@ -56,113 +67,58 @@ class MaskAhead(Dense):
     question_tokens: int = 0  # > 0: the first eviction probes the question's last N tokens
     pin_question: bool = False  # with question_tokens: that span always survives
 
-    needs_stats = True
-    with_state = True
-
-    # ------------------------------------------------------------------ static properties
+    # ------------------------------------------------------------------ parts
     @property
-    def evicts(self) -> bool:
+    def selector(self) -> Optional[Selector]:
+        if self.select_ranking == "none":
+            return None
+        return Selector(self.select_ranking, self.topk_pct, self.topk_floor, self.dense_layers)
+
+    def budget(self) -> Budget:
+        return Budget(self.capacity_pct, self.capacity_floor)
+
+    @property
+    def eviction(self) -> Optional[Eviction]:
+        if self.evict_ranking == "none":
+            return None
+        m = self.lookahead_blocks
+        first = Question(self.question_tokens, m) if self.question_tokens else None
+        return Eviction(
+            budget=self.budget(), scorer=ValueScore() if self.evict_ranking == "value" else MassScore(),
+            keeps=ForcedKeeps(self.sinks, self.recent), probe=Lookahead(m) if m > 1 else None,
+            interval_blocks=self.interval_blocks, first_probe=first, pin_first=self.pin_question)
+
+    @property
+    def takes_budget(self) -> bool:  # the variants that never evict have no budget to sweep
         return self.evict_ranking != "none"
 
-    @property
-    def needs_probe(self) -> bool:
-        return self.evicts and self.lookahead_blocks > 1
-
+    # ------------------------------------------------------------------ checks
     def validate(self, cfg, gen) -> None:
-        if self.select_ranking not in ("value", "mass", "none"):
+        if self.select_ranking not in RANKINGS:
             raise PolicyError(f"select_ranking must be value|mass|none, got {self.select_ranking!r}")
-        if self.evict_ranking not in ("value", "mass", "none"):
+        if self.evict_ranking not in RANKINGS:
             raise PolicyError(f"evict_ranking must be value|mass|none, got {self.evict_ranking!r}")
-        for f in ("capacity_pct", "topk_pct"):
-            v = getattr(self, f)
-            if not 0 < v <= 100:
-                raise PolicyError(f"{f} must be in (0, 100], got {v}")
-        for f in ("capacity_floor", "topk_floor", "interval_blocks", "lookahead_blocks"):
-            if getattr(self, f) <= 0:
-                raise PolicyError(f"{f} must be positive, got {getattr(self, f)}")
+        check_pct(capacity_pct=self.capacity_pct, topk_pct=self.topk_pct)
+        check_positive(capacity_floor=self.capacity_floor, topk_floor=self.topk_floor,
+                       interval_blocks=self.interval_blocks, lookahead_blocks=self.lookahead_blocks)
         if self.sinks < 0 or self.recent < 0 or self.dense_layers < 0:
             raise PolicyError("sinks, recent and dense_layers must be >= 0")
         if self.question_tokens < 0:
             raise PolicyError(f"question_tokens must be >= 0, got {self.question_tokens}")
-        if not self.bounded_prefill:
-            if self.question_tokens and not (self.needs_probe and self.probe_kind == "lookahead"):
-                raise PolicyError(
-                    f"question_tokens={self.question_tokens} needs MaskAhead's lookahead probe "
-                    f"(evict_ranking != 'none', lookahead_blocks > 1); {self.name} has none")
-            if self.pin_question and not self.question_tokens:
-                raise PolicyError("pin_question needs question_tokens > 0 (the span to pin)")
-        if self.evicts and self.capacity_floor < self.recent + self.sinks:
+        self.check_question()
+        if self.evict_ranking != "none" and self.capacity_floor < self.recent + self.sinks:
             raise PolicyError(
                 f"capacity_floor={self.capacity_floor} is below recent + sinks = "
                 f"{self.recent + self.sinks}: the forced keeps would not fit")
 
-    # ------------------------------------------------------------------ budgets
-    def capacity(self, seen):
-        """C(seen) = max(floor(capacity_pct% * seen), capacity_floor)."""
-        if isinstance(seen, int):
-            return max(int(self.capacity_pct * seen // 100), self.capacity_floor)
-        c = jnp.floor(self.capacity_pct * seen.astype(jnp.float32) / 100.0).astype(jnp.int32)
-        return jnp.maximum(c, self.capacity_floor)
-
-    def topk(self, live):
-        """k(live) = min(live, max(topk_floor, ceil(topk_pct% * live)))."""
-        if isinstance(live, int):
-            return min(live, max(self.topk_floor, ceil_pct(self.topk_pct, live)))
-        return jnp.minimum(live, jnp.maximum(self.topk_floor, ceil_pct(self.topk_pct, live)))
-
-    def plan(self, prompt_cap: int, total_cap: int, block_size: int, chunk: int = 512):
-        if not self.evicts:
-            return total_cap, total_cap
-        decode = self.capacity(total_cap) + (self.interval_blocks + 1) * block_size
-        return prompt_cap, min(total_cap, decode)
-
-    # ------------------------------------------------------------------ hooks
-    def pending_after_prefill(self, cache: KVCache) -> jax.Array:
-        if not self.evicts:
-            return jnp.zeros(cache.length.shape, bool)
-        return cache.length > self.capacity(cache.seen)
-
-    def schedule(self, blocks_done, cache: KVCache) -> jax.Array:
-        if not self.evicts:
-            return jnp.zeros(cache.length.shape, bool)
-        due = (blocks_done % self.interval_blocks) == 0
-        return due & (cache.length > self.capacity(cache.seen))
-
-    def selection_scores(self, mass, score):
-        return score if self.select_ranking == "value" else mass
-
-    def select(self, cache: KVCache, num_layers: int, mass, score):
-        nd = min(self.dense_layers, num_layers)
-        if self.select_ranking == "none" or nd >= num_layers:
-            return None
-        n = cache.capacity
-        kmax = self.topk(n)
-        if kmax >= n:  # the budget covers the whole buffer: nothing to gain from gathering
-            return None
-        sub = cache.layers(nd, num_layers)
-        ranks = self.selection_scores(mass, score)[nd:]
-        k = self.topk(sub.length)
-        sel = kvc.keep_top(sub, ranks, k, kmax)
-        return nd, Context(sel.k, sel.v, sel.valid)
-
-    def eviction_scores(self, cache: KVCache, mass0, probe_mass):
-        a = mass0 if probe_mass is None else mass0 + probe_mass
-        if self.evict_ranking == "mass":
-            return a
-        return value_score(a, cache.v)
-
-    def forced(self, cache: KVCache) -> jax.Array:
-        """[L, B, Hkv, N] entries that always survive: the newest `recent` and the sinks."""
-        slot = jnp.arange(cache.capacity)[None, None, None, :]
-        recent = slot >= (cache.length[None, :, None, None] - self.recent)
-        return cache.valid & (recent | ((cache.pos >= 0) & (cache.pos < self.sinks)))
-
-    def evict(self, cache: KVCache, mass0, probe_mass, keep, capacity: int, pinned=None) -> KVCache:
-        """Keep `keep` [B] entries per lane (forced ones first), compacted into `capacity` slots."""
-        scores = self.eviction_scores(cache, mass0, probe_mass)
-        forced = self.forced(cache) if pinned is None else self.forced(cache) | (pinned & cache.valid)
-        scores = jnp.where(forced, jnp.inf, scores)
-        return kvc.keep_top(cache, scores, keep, capacity)
+    def check_question(self) -> None:
+        ev = self.eviction
+        if self.question_tokens and (ev is None or ev.probe is None):
+            raise PolicyError(
+                f"question_tokens={self.question_tokens} needs MaskAhead's lookahead probe "
+                f"(evict_ranking != 'none', lookahead_blocks > 1); {self.name} has none")
+        if self.pin_question and not self.question_tokens:
+            raise PolicyError("pin_question needs question_tokens > 0 (the span to pin)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,15 +132,16 @@ class BoundedPrefillMaskAhead(MaskAhead):
     name = "maskahead-bounded"
     question_tokens: int = 64
     pin_question: bool = True
-    bounded_prefill = True
 
-    def plan(self, prompt_cap: int, total_cap: int, block_size: int, chunk: int = 512):
-        _, decode = super().plan(prompt_cap, total_cap, block_size, chunk)
-        # prefill buffer: C(prompt) + one chunk is all that is ever live while prefilling
-        pre = self.capacity(prompt_cap) + chunk
-        return min(prompt_cap, pre), decode
+    @property
+    def eviction(self) -> Optional[Eviction]:
+        ev = super().eviction
+        if ev is None:
+            return None
+        q = Question(self.question_tokens, self.lookahead_blocks)
+        return dataclasses.replace(ev, first_probe=None, pin_first=False, bounded_prefill=True,
+                                   prefill_probe=q, pin_prefill=self.pin_question)
 
-    def validate(self, cfg, gen) -> None:
-        super().validate(cfg, gen)
+    def check_question(self) -> None:
         if self.question_tokens <= 0:
             raise PolicyError(f"question_tokens must be positive, got {self.question_tokens}")

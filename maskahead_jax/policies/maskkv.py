@@ -3,9 +3,9 @@ Dream), and the PyramidKV / AdaKV allocation baselines on the same mask-voting s
 research/maskkv.md §2, §3, §4, §8.
 
 One-shot compression of the prompt K/V at the first denoising step (the whole response is
-[MASK]). The engine (generate._bidirectional_core) calls `compress_prompt(cache, mass, plen)`
-with `mass` [L, B, Hkv, S] = per layer the attention of ALL response mask queries, averaged over
-the queries and the GQA group, over the keys [prompt (S >= Pb) | response]: the engine runs the
+[MASK]). The bidirectional engine calls the `on_prompt` hook, whose `vote()` returns `mass`
+[L, B, Hkv, S] = per layer the attention of ALL response mask queries, averaged over the
+queries and the GQA group, over the keys [prompt (S >= Pb) | response]: the engine runs the
 mask queries against [prompt K/V | response K/V] as context, so this is the joint softmax of
 Eq. 6 (A_ij), and
 
@@ -41,7 +41,7 @@ Choices where maskkv.md says NOT FOUND or leaves it open:
 
 Ragged per-head budgets live in a rectangular buffer: each lane keeps its top entries
 left-aligned in position order and `valid` marks them; memory accounting counts only kept
-entries (`count_kept_only`).
+entries (`held_bytes`).
 
 PyramidKV (layer_alloc="pyramid", head_alloc="uniform"): linear decreasing layer budgets,
 min = B / pyramid_beta, max = 2B - min, k_l = max - l (max - min) / (L - 1) (floored, remainder
@@ -59,11 +59,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import cache as kvc
+from .. import memory
 from ..cache import KVCache
-from . import register
-from .base import Dense
-from .maskahead import PolicyError
+from .protocol import Policy, PolicyError
 
 LAYER_ALLOCS = ("boundary", "pyramid", "uniform")
 HEAD_ALLOCS = ("preference", "adakv", "uniform")
@@ -192,29 +190,9 @@ def adakv_head_budgets(layer_budget, scores, valid, floor_alpha: float = 0.2, ma
     return xp.maximum(k, 0)
 
 
-def keep_ragged(cache: KVCache, scores: jax.Array, counts: jax.Array, capacity: int) -> KVCache:
-    """Keep, per lane (layer, row, KV head), its counts[l, b, h] best valid entries, sorted by
-    position, left-aligned in a buffer of `capacity` slots; `valid` marks the kept ones."""
-    n = cache.capacity
-    scores = jnp.where(cache.valid, scores.astype(jnp.float32), -jnp.inf)
-    kk = min(capacity, n)
-    _, top = jax.lax.top_k(scores, kk)
-    ok = jnp.arange(kk) < counts[..., None]
-    chosen = jnp.take_along_axis(cache.valid, top, axis=3) & ok
-    key = jnp.where(chosen, jnp.take_along_axis(cache.pos, top, axis=3), jnp.iinfo(jnp.int32).max)
-    order = jnp.argsort(key, axis=3)
-    idx = jnp.take_along_axis(top, order, axis=3)
-    keep = jnp.take_along_axis(chosen, order, axis=3)
-    if kk < capacity:
-        pad = capacity - kk
-        idx = jnp.concatenate([idx, jnp.zeros(idx.shape[:3] + (pad,), idx.dtype)], axis=3)
-        keep = jnp.concatenate([keep, jnp.zeros(keep.shape[:3] + (pad,), bool)], axis=3)
-    return kvc.gather(cache, idx, keep)
-
-
 # ----------------------------------------------------------------------------- the policy
 @dataclasses.dataclass(frozen=True)
-class MaskKV(Dense):
+class MaskKV(Policy):
     """MaskKV with the paper's defaults (beta 0.4, alpha 0.1, B = 256 KV pairs per head)."""
 
     name = "maskkv"
@@ -229,10 +207,7 @@ class MaskKV(Dense):
     adakv_floor: float = 0.2
     exact_total: bool = True
 
-    compresses_prompt = True
-    count_kept_only = True
-    needs_stats = False
-    with_state = False
+    takes_budget = True
 
     def validate(self, cfg, gen) -> None:
         if cfg.attention != "bidirectional":
@@ -313,11 +288,18 @@ class MaskKV(Dense):
             k = jnp.broadcast_to(kl[..., None], kl.shape + (hkv,))
         return jnp.clip(k, 0, plen[None, :, None]).astype(jnp.int32)
 
+    def on_prompt(self, cache: KVCache, vote, plen) -> KVCache:
+        return self.compress_prompt(cache, vote(), plen)
+
+    def held_bytes(self, cache) -> jax.Array:
+        """Only kept entries count: ragged lanes are stored flattened (variable length)."""
+        return memory.row_bytes(cache.valid, cache.bytes_per_token, False, kept_only=True)
+
     def compress_prompt(self, cache: KVCache, mass, plen) -> KVCache:
         L, _, hkv, n = cache.valid.shape
         counts = self.budgets(mass, cache.valid, plen)
         cap = self.buffer_size(n, L, hkv)
-        return keep_ragged(cache, mass[..., :n], jnp.minimum(counts, cap), cap)
+        return cache.keep_top(mass[..., :n], jnp.minimum(counts, cap), cap)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,19 +316,5 @@ class AdaKV(MaskKV):
     head_alloc: str = "adakv"
 
 
-def _factory(cls):
-    def make(capacity_pct=None, **kw):
-        if capacity_pct is not None:  # make(name, capacity_pct=...) sets a percentage budget
-            kw["budget_pct"] = capacity_pct
-        if "layer_importance" in kw and kw["layer_importance"] is not None:
-            kw["layer_importance"] = tuple(float(x) for x in kw["layer_importance"])
-        return cls(**kw)
-    return make
-
-
-register("maskkv", _factory(MaskKV))
-register("pyramidkv", _factory(PyramidKV))
-register("adakv", _factory(AdaKV))
-
 __all__ = ["MaskKV", "PyramidKV", "AdaKV", "layer_budgets", "head_budgets", "pyramid_budgets",
-           "adakv_head_budgets", "boundary_layers", "keep_ragged"]
+           "adakv_head_budgets", "boundary_layers"]

@@ -1,6 +1,6 @@
 """Q-MaskAhead: MaskAhead over a 4-bit (or 2-bit) K/V cache (research/maskahead.md section 4).
 
-Selection and eviction are MaskAhead's; only the storage differs (qcache.QKVCache):
+Selection and eviction are MaskAhead's; only the storage differs (cache.packed.QKVCache):
 
 * committed blocks (and prefill chunks) are produced in the forward's dtype and quantized once on
   append (KIVI: keys per channel over 32 tokens, values per token over 32 channels, fp16 metadata);
@@ -24,19 +24,20 @@ same quantize -> dequantize round trip: the float reference the tests compare th
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import jax.numpy as jnp
 
-from .. import qcache, quant
-from ..kernels.reference import value_score
-from . import register
-from .maskahead import MaskAhead, PolicyError
+from .. import quant
+from ..cache import packed, simulated
+from .eviction import Budget
+from .maskahead import MaskAhead
+from .protocol import PolicyError
+from .selection import Selector
 
 
-def _round_up(x, m: int = quant.GROUP):
-    if isinstance(x, int):
-        return -(-x // m) * m
-    return ((x + (m - 1)) // m) * m
+def _round_up(x: int, m: int = quant.GROUP) -> int:
+    return -(-x // m) * m
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,40 +60,21 @@ class QMaskAhead(MaskAhead):
             if n % g:
                 raise PolicyError(f"q-maskahead needs {what} to be a multiple of {g}, got {n}")
 
-    # ------------------------------------------------------------------ budgets (whole key groups)
-    def capacity(self, seen):
-        return _round_up(super().capacity(seen))
+    # ------------------------------------------------------------------ parts (whole key groups)
+    def budget(self) -> Budget:
+        return Budget(self.capacity_pct, self.capacity_floor, multiple=quant.GROUP)
 
-    def plan(self, prompt_cap: int, total_cap: int, block_size: int, *rest) -> tuple[int, int]:
-        c0, c1 = super().plan(prompt_cap, total_cap, block_size, *rest)
+    @property
+    def selector(self) -> Optional[Selector]:
+        sel = super().selector
+        return None if sel is None else dataclasses.replace(sel, compact_dtype=self.compact_dtype)
+
+    def plan(self, prompt_cap: int, total_cap: int, block_size: int, chunk: int = 512) -> tuple[int, int]:
+        c0, c1 = super().plan(prompt_cap, total_cap, block_size, chunk)
         return _round_up(c0), _round_up(c1)
 
     # ------------------------------------------------------------------ storage
     def empty_cache(self, num_layers, batch, kv_heads, capacity, head_dim, dtype=jnp.bfloat16):
         if self.simulate:
-            return qcache.sim_empty(num_layers, batch, kv_heads, capacity, head_dim, dtype, self.bits)
-        return qcache.empty(num_layers, batch, kv_heads, capacity, head_dim, self.bits)
-
-    # ------------------------------------------------------------------ hooks
-    def select(self, cache, num_layers: int, mass, score):
-        """Top-k per lane as in MaskAhead, gathered and dequantized into a compact buffer."""
-        nd = min(self.dense_layers, num_layers)
-        if self.select_ranking == "none" or nd >= num_layers:
-            return None
-        n = cache.capacity
-        kmax = self.topk(n)
-        if kmax >= n:
-            return None
-        sub = cache.layers(nd, num_layers)
-        ranks = self.selection_scores(mass, score)[nd:]
-        idx, keep = qcache.top_indices(sub.valid, sub.pos, ranks, self.topk(sub.length), kmax)
-        return nd, sub.select_context(idx, keep, jnp.dtype(self.compact_dtype))
-
-    def eviction_scores(self, cache, mass0, probe_mass):
-        a = mass0 if probe_mass is None else mass0 + probe_mass
-        if self.evict_ranking == "mass":
-            return a
-        return value_score(a, cache.values())  # dequantized V
-
-
-register("q-maskahead", lambda **kw: QMaskAhead(**kw))
+            return simulated.sim_empty(num_layers, batch, kv_heads, capacity, head_dim, dtype, self.bits)
+        return packed.empty(num_layers, batch, kv_heads, capacity, head_dim, self.bits)

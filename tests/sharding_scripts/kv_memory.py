@@ -27,7 +27,7 @@ def main():
 
     from maskahead_jax import sharding as shd
     from maskahead_jax.config import GenerationConfig
-    from maskahead_jax.generate import _core_fn
+    from maskahead_jax.engine.generate import _core_fn
     from maskahead_jax.policies import Dense
     from tiny import tiny_model
 

@@ -17,9 +17,8 @@ packed `quant.QuantKV` (research/maskahead.md section 4, docs/quantization.md).
   bf16 Context (`quant.gather_dequant`), read by the later steps and the commit forward.
 * `bytes_per_token`: payload + metadata + residual per token per lane, from the arrays.
 
-`cache.append / gather / keep_top / resize` delegate here for these types, so the engine code is
-unchanged. `SimQuantKVCache` is a float KVCache whose appended K/V (and requantized survivors'
-keys) take the same quantize -> dequantize round trip: the float reference the tests compare to.
+It implements the Cache protocol (cache/protocol.py) as methods, so the engine and the policies
+never ask which cache they hold. Its float reference is cache/simulated.py.
 """
 from __future__ import annotations
 
@@ -28,10 +27,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from . import cache as kvc
-from . import quant
-from .cache import KVCache
-from .model import Context
+from .. import quant
+from ..model import Context
+from .float_cache import KVCache
+from .slots import choose_slots
 
 GROUP = quant.GROUP
 
@@ -39,26 +38,6 @@ GROUP = quant.GROUP
 def _check_aligned(n: int, what: str) -> None:
     if n % GROUP:
         raise ValueError(f"{what} = {n} must be a multiple of {GROUP} (whole key groups)")
-
-
-def top_indices(valid, pos, scores, keep_count, capacity: int):
-    """The slot choice of `cache.keep_top`: (idx, keep) [L, B, Hkv, capacity], kept entries first,
-    in position order; keep marks them (idx of the rest is padding)."""
-    n = valid.shape[-1]
-    scores = jnp.where(valid, scores.astype(jnp.float32), -jnp.inf)
-    kk = min(capacity, n)
-    _, top = jax.lax.top_k(scores, kk)
-    rank_ok = jnp.arange(kk) < keep_count[None, :, None, None]
-    chosen_valid = jnp.take_along_axis(valid, top, axis=3) & rank_ok
-    key = jnp.where(chosen_valid, jnp.take_along_axis(pos, top, axis=3), jnp.iinfo(jnp.int32).max)
-    order = jnp.argsort(key, axis=3)
-    idx = jnp.take_along_axis(top, order, axis=3)
-    keep = jnp.take_along_axis(chosen_valid, order, axis=3)
-    if kk < capacity:
-        pad = capacity - kk
-        idx = jnp.concatenate([idx, jnp.zeros(idx.shape[:3] + (pad,), idx.dtype)], axis=3)
-        keep = jnp.concatenate([keep, jnp.zeros(keep.shape[:3] + (pad,), bool)], axis=3)
-    return idx, keep
 
 
 def _slice_tokens(q: quant.QuantKV, n: int) -> quant.QuantKV:
@@ -129,26 +108,25 @@ class QKVCache(NamedTuple):
         """Quantize and write the first n_new[b] of T new entries at slot length[b] (32-aligned)."""
         _check_aligned(k_new.shape[3], "tokens per append")
         q = quant.write_tokens(self.q, k_new, v_new, self.length, n_new)
-        book = kvc.append(self._book(), k_new[..., :0], v_new[..., :0], pos_new, n_new)
+        book = self._book().append( k_new[..., :0], v_new[..., :0], pos_new, n_new)
         return self._with_book(q, book)
 
     def gather(self, idx, keep) -> "QKVCache":
         """Survivors idx (kept first, position order): keys requantized into fresh groups."""
         _check_aligned(idx.shape[-1], "capacity")
-        book = kvc.gather(self._book(), idx, keep)
+        book = self._book().gather(idx, keep)
         q = quant.requantize_survivors(self.q, idx, book.valid.sum(-1))
         return self._with_book(q, book)
 
     def keep_top(self, scores, keep_count, capacity: int) -> "QKVCache":
-        idx, keep = top_indices(self.valid, self.pos, scores, keep_count, capacity)
-        return self.gather(idx, keep)
+        return self.gather(*choose_slots(self.valid, self.pos, scores, keep_count, capacity))
 
     def resize(self, capacity: int) -> "QKVCache":
         if capacity == self.capacity:
             return self
         _check_aligned(capacity, "capacity")
         q = _slice_tokens(self.q, capacity) if capacity < self.capacity else _pad_tokens(self.q, capacity)
-        return self._with_book(q, kvc.resize(self._book(), capacity))
+        return self._with_book(q, self._book().resize(capacity))
 
     # ---------------------------------------------------------------- policy helpers
     def values(self) -> jax.Array:
@@ -170,90 +148,3 @@ def empty(num_layers: int, batch: int, kv_heads: int, capacity: int, head_dim: i
         q=quant.empty(shape[:3], capacity, head_dim, bits), pos=jnp.full(shape, -1, jnp.int32),
         valid=jnp.zeros(shape, bool), acc=jnp.zeros(shape, jnp.float32),
         length=jnp.zeros((batch,), jnp.int32), seen=jnp.zeros((batch,), jnp.int32))
-
-
-# ----------------------------------------------------------------------------- float simulation
-def roundtrip_kv(k, v, bits: int, valid=None):
-    """quantize -> dequantize (in k's dtype), as one append of QKVCache stores it."""
-    k2, v2 = quant.dequantize_kv(quant.quantize_kv(k, v, bits, valid), jnp.float32)
-    return k2.astype(k.dtype), v2.astype(v.dtype)
-
-
-class SimQuantKVCache(NamedTuple):
-    """A float cache (KVCache's fields) that stores K/V after the quantize -> dequantize round trip
-    of QKVCache: on append, and for the survivors' keys on eviction. Test reference only.
-    The bit width is a class attribute: use `sim_cache_type(bits)`."""
-
-    k: jax.Array
-    v: jax.Array
-    pos: jax.Array
-    valid: jax.Array
-    acc: jax.Array
-    length: jax.Array
-    seen: jax.Array
-
-    bits = 4
-
-    @property
-    def capacity(self) -> int:
-        return self.k.shape[3]
-
-    def _f(self) -> KVCache:
-        return KVCache(*self)
-
-    def _wrap(self, c: KVCache):
-        return type(self)(*c)
-
-    def context(self, start: int = 0, stop: int | None = None) -> Context:
-        return self._f().context(start, stop)
-
-    def layers(self, start: int, stop: int):
-        return self._wrap(self._f().layers(start, stop))
-
-    def live(self):
-        return self._f().live()
-
-    def append(self, k_new, v_new, pos_new, n_new):
-        t = k_new.shape[3]
-        ok = jnp.arange(t)[None, :] < n_new[:, None]
-        valid = jnp.broadcast_to(ok[None, :, None, :], k_new.shape[:4])
-        k_new, v_new = roundtrip_kv(k_new.astype(self.k.dtype), v_new.astype(self.v.dtype), self.bits, valid)
-        return self._wrap(kvc.append(self._f(), k_new, v_new, pos_new, n_new))
-
-    def gather(self, idx, keep):
-        c = kvc.gather(self._f(), idx, keep)
-        live = c.valid
-        k = jnp.where(live[..., None], c.k.astype(jnp.float32), 0.0)
-        codes, scale, zero = quant.quantize_keys(k, self.bits, live)
-        k = quant.dequantize_keys(codes, scale, zero, self.bits, jnp.float32)
-        return self._wrap(c._replace(k=k.astype(c.k.dtype)))
-
-    def keep_top(self, scores, keep_count, capacity: int):
-        return self.gather(*top_indices(self.valid, self.pos, scores, keep_count, capacity))
-
-    def resize(self, capacity: int):
-        return self._wrap(kvc.resize(self._f(), capacity))
-
-    def values(self):
-        return self.v.astype(jnp.float32)
-
-    def select_context(self, idx, keep, dtype=None) -> Context:
-        take = lambda a: jnp.take_along_axis(a, idx[..., None], axis=3)
-        k, v = take(self.k), take(self.v)
-        if dtype is not None:
-            k, v = k.astype(dtype), v.astype(dtype)
-        return Context(k, v, jnp.take_along_axis(self.valid, idx, axis=3) & keep)
-
-
-_SIM_TYPES: dict = {}
-
-
-def sim_cache_type(bits: int):
-    quant.codes_per_byte(bits)
-    if bits not in _SIM_TYPES:
-        _SIM_TYPES[bits] = type(f"SimQuant{bits}KVCache", (SimQuantKVCache,), {"bits": bits, "__slots__": ()})
-    return _SIM_TYPES[bits]
-
-
-def sim_empty(num_layers, batch, kv_heads, capacity, head_dim, dtype=jnp.float32, bits: int = 4):
-    return sim_cache_type(bits)(*kvc.empty(num_layers, batch, kv_heads, capacity, head_dim, dtype))

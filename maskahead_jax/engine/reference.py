@@ -11,9 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .config import GenerationConfig, ModelConfig
-from .decoding import commit
-from .model import forward_logits
+from ..config import GenerationConfig, ModelConfig
+from ..decoding import commit
+from ..model import forward_logits
 
 
 _forward = jax.jit(forward_logits, static_argnames=("cfg", "attention"))  # one compile per length

@@ -1,0 +1,118 @@
+"""The bidirectional core (LLaDA, Dream): semi-autoregressive decoding of a fixed-length
+response. A full forward of [prompt | response] builds the prompt's K/V (the cache) at the
+first step and every `prompt_refresh` steps; the steps between recompute only the response
+against that cache. The policy's `on_prompt` may compress the prompt once (MaskKV), voted by
+the response's mask queries; a compressed prompt is never refreshed.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from .. import memory
+from ..cache import KVCache
+from ..decoding import commit, shift_logits
+from ..model import Context, Segment, lm_head, model_step
+from ..sharding import constrain_cache
+from .state import dense_segments, full_mask, row_take
+
+
+class BidirState(NamedTuple):
+    resp: jax.Array  # [B, G] response tokens
+    blk: jax.Array  # int32 current block
+    step: jax.Array  # int32 steps run
+    bstep: jax.Array  # int32 steps run in the current block
+    cache: KVCache  # the prompt's K/V
+    logits: jax.Array  # [B, G, V] response logits of the last forward
+    last: jax.Array  # [B, V] logits at the last prompt position (shifted-logits families)
+    key: jax.Array
+    nfe: jax.Array  # int32 forwards
+    m0: jax.Array  # [B] masks at the start of the current block
+
+
+def bidirectional_core(params, prompt, plen, key, *, cfg, gen, policy, cache_dtype, phase: str = "all"):
+    b, pb = prompt.shape
+    bs, L, hkv, mask_id = gen.block_size, cfg.num_layers, cfg.num_kv_heads, cfg.mask_token_id
+    nblk = math.ceil(gen.max_new_tokens / bs)
+    g = nblk * bs
+    ppos = jnp.broadcast_to(jnp.arange(pb, dtype=jnp.int32), (b, pb))
+    pvalid = ppos < plen[:, None]
+    rpos = plen[:, None] + jnp.arange(g, dtype=jnp.int32)[None]
+    all_pos = jnp.concatenate([ppos, rpos], axis=1)
+    key_valid = jnp.concatenate([pvalid, jnp.ones((b, g), bool)], axis=1)
+    both_mask = jnp.broadcast_to(key_valid[:, None, :], (b, pb + g, pb + g))
+
+    def full_pass(resp):
+        """Forward of [prompt | response]: the prompt cache, response logits, last-prompt logits."""
+        out = model_step(params, cfg, jnp.concatenate([prompt, resp], 1), all_pos, both_mask,
+                         [Segment(0, L, None)])
+        valid = jnp.broadcast_to(pvalid[None, :, None, :], (L, b, hkv, pb))
+        cache = KVCache(k=out.k[:, :, :, :pb].astype(cache_dtype), v=out.v[:, :, :, :pb].astype(cache_dtype),
+                        pos=jnp.where(valid, ppos[None, :, None, :], -1), valid=valid,
+                        acc=jnp.zeros(valid.shape, jnp.float32), length=plen.astype(jnp.int32),
+                        seen=plen.astype(jnp.int32))
+        last = lm_head(params, cfg, row_take(out.hidden, plen - 1))
+        return constrain_cache(cache), lm_head(params, cfg, out.hidden[:, pb:]), last
+
+    def resp_logits(cache, resp):
+        o = model_step(params, cfg, resp, rpos, full_mask(b, g), dense_segments(cache, L))
+        return lm_head(params, cfg, o.hidden)
+
+    resp0 = jnp.full((b, g), mask_id, jnp.int32)
+    cache, logits, last = full_pass(resp0)
+    if phase == "prefill":  # timing runs: the first full pass builds the prompt cache
+        return dict(prev=last, kv_bytes=policy.held_bytes(cache))
+    peak_bytes = policy.held_bytes(cache)
+
+    def vote():
+        """Mask voting (maskkv.md Eq. 6): the response's mask queries in one softmax over
+        [prompt | response] keys (the response's own K/V passed as context, the block masked
+        out); mass [L, B, Hkv, Pb + G]."""
+        o = model_step(params, cfg, resp0, rpos, full_mask(b, g), dense_segments(cache, L))
+        ctx = Context(*(jnp.concatenate([a, n.astype(a.dtype)], 3) for a, n in
+                        ((cache.k, o.k), (cache.v, o.v), (cache.valid, jnp.ones(o.k.shape[:4], bool)))))
+        return model_step(params, cfg, resp0, rpos, jnp.zeros((b, g, g), bool), [Segment(0, L, ctx)],
+                          jnp.ones((b, g), bool)).mass
+
+    compressed = policy.on_prompt(cache, vote, plen)
+    nfe = jnp.int32(1)
+    refresh = gen.prompt_refresh
+    if compressed is not None:
+        cache, nfe, refresh = compressed, nfe + 1, 0  # a compressed prompt is never refreshed
+    active = jnp.ones((b,), bool)
+
+    def body(s: BidirState) -> BidirState:
+        key, kk = jax.random.split(s.key)
+        lg = shift_logits(s.logits, s.last) if cfg.logits_shift else s.logits
+        # commit inside the current block only: view the block as [B, bs]
+        xb = jax.lax.dynamic_slice_in_dim(s.resp, s.blk * bs, bs, axis=1)
+        lb = jax.lax.dynamic_slice_in_dim(lg, s.blk * bs, bs, axis=1)
+        xb = commit(xb, lb, s.bstep, s.m0, active, gen, mask_id, kk)
+        resp = jax.lax.dynamic_update_slice_in_dim(s.resp, xb, s.blk * bs, axis=1)
+        blk_done = ~jnp.any(xb == mask_id)
+        blk = jnp.where(blk_done, s.blk + 1, s.blk)
+        m0 = jnp.where(blk_done, jnp.sum(jax.lax.dynamic_slice_in_dim(
+            resp, jnp.minimum(blk, nblk - 1) * bs, bs, axis=1) == mask_id, -1), s.m0)
+        step = s.step + 1
+        reuse = lambda args: (args[0], resp_logits(*args), s.last)
+        if refresh:
+            cache, logits, last = jax.lax.cond(step % refresh == 0, lambda a: full_pass(a[1]), reuse,
+                                               (s.cache, resp))
+        else:
+            cache, logits, last = reuse((s.cache, resp))
+        return BidirState(resp, blk, step, jnp.where(blk_done, 0, s.bstep + 1), cache, logits, last, key,
+                          s.nfe + (blk < nblk).astype(jnp.int32), m0)
+
+    s = BidirState(resp0, jnp.int32(0), jnp.int32(0), jnp.int32(0), cache, logits, last, key, nfe,
+                   jnp.sum(resp0[:, :bs] == mask_id, -1))
+    max_steps = nblk * (bs + gen.steps_per_block)  # a hard bound: every step commits >= 1 token
+    s = jax.lax.while_loop(lambda s: (s.blk < nblk) & (s.step < max_steps), body, s)
+    kvb = policy.held_bytes(s.cache)
+    dense = memory.bf16_dense_bytes(L, hkv, cfg.head_dim, plen)
+    return dict(out=s.resp, first_pos=plen, nfe=jnp.broadcast_to(s.nfe, (b,)), nfe_batch=s.nfe,
+                kv_bytes=kvb, dense_bytes=dense, kv_peak=jnp.maximum(kvb, peak_bytes),
+                dense_peak=dense, live=s.cache.live().max(axis=(0, 2)),
+                capacity=jnp.int32(s.cache.capacity), evictions=jnp.int32(0), blocks=s.blk)

@@ -1,0 +1,85 @@
+"""One block of block-causal decoding: step 0 -> the policy's hook -> denoising steps -> commit.
+
+Step 0 forwards the block over the whole cache (exact attention) and, when the policy asks
+(`stat_rows`), returns every layer's prefix mass and value score. The policy's `on_block`
+then updates its state, chooses what the later steps read and evicts when due (its probes run
+through `ctx.forward`). The denoising steps read that selection; the commit forward appends
+the finished block's K/V.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ..decoding import commit, shift_logits
+from ..model import Segment, lm_head, model_step
+from ..sharding import constrain_cache
+from .state import BlockState, dense_bytes, dense_segments, full_mask
+
+
+def _segments(cache, selection, num_layers):
+    if selection is None:
+        return dense_segments(cache, num_layers)
+    nd, ctx = selection
+    return ([Segment(0, nd, cache.context(0, nd))] if nd else []) + [Segment(nd, num_layers, ctx)]
+
+
+def run_block(params, cfg, gen, policy, st: BlockState, x_init, ctx) -> BlockState:
+    """Decode one block for every active row. ctx: the policy StepContext without the per-block
+    fields (tokens, start, mass, score, due, active), which are filled in here."""
+    b, bs, L, mask_id = x_init.shape[0], gen.block_size, cfg.num_layers, cfg.mask_token_id
+    cache, active, start = st.cache, ~st.done, st.start
+    pos = start[:, None] + jnp.arange(bs, dtype=jnp.int32)[None]
+    x = x_init
+    if cfg.logits_shift:
+        first_tok = jnp.argmax(st.prev, axis=-1).astype(jnp.int32)
+        x = x.at[:, 0].set(jnp.where(x[:, 0] == mask_id, first_tok, x[:, 0]))
+    m0 = (x == mask_id).sum(-1)
+    key, k0 = jax.random.split(st.key)
+
+    def logits_of(hidden):
+        lg = lm_head(params, cfg, hidden)
+        return shift_logits(lg, st.prev) if cfg.logits_shift else lg
+
+    # ---- step 0: exact dense attention over the whole cache (+ the policy's statistics)
+    rows = policy.stat_rows(x == mask_id, active)
+    out0 = model_step(params, cfg, x, pos, full_mask(b, bs), dense_segments(cache, L), rows)
+    x0 = x
+    x = commit(x, logits_of(out0.hidden), jnp.int32(0), m0, active, gen, mask_id, k0)
+    res = policy.on_block(cache, ctx._replace(active=active, due=st.due, tokens=x0, start=start,
+                                              mass=out0.mass, score=out0.score))
+    cache = res.cache
+    segs = _segments(cache, res.selection, L)
+
+    # ---- denoising steps over the selected context
+    def cond(s):
+        x, step, _, _ = s
+        return jnp.any((x == mask_id) & active[:, None]) & (step < bs + gen.steps_per_block)
+
+    def body(s):
+        x, step, key, nfe = s
+        key, kk = jax.random.split(key)
+        o = model_step(params, cfg, x, pos, full_mask(b, bs), segs)
+        return commit(x, logits_of(o.hidden), step, m0, active, gen, mask_id, kk), step + 1, key, nfe + 1
+
+    x, _, key, n_steps = jax.lax.while_loop(cond, body, (x, jnp.int32(1), key, jnp.int32(0)))
+
+    # ---- commit forward: the finished block's K/V into the cache
+    oc = model_step(params, cfg, x, pos, full_mask(b, bs), segs)
+    cache = cache.append(oc.k, oc.v, pos, jnp.where(active, bs, 0))
+    prev = jnp.where(active[:, None], lm_head(params, cfg, oc.hidden[:, -1]), st.prev)
+    nfe_b = 1 + res.forwards + n_steps + 1
+
+    old = jax.lax.dynamic_slice_in_dim(st.out, st.blk * bs, bs, axis=1)
+    out = jax.lax.dynamic_update_slice_in_dim(st.out, jnp.where(active[:, None], x, old), st.blk * bs, axis=1)
+    is_gen = pos >= ctx.plen[:, None]
+    hit_eos = jnp.any(jnp.isin(x, jnp.asarray(cfg.eos_token_ids, jnp.int32)) & is_gen, axis=-1)
+    done = st.done | (start + bs >= ctx.plen + gen.max_new_tokens) | (hit_eos & gen.stop_at_eos)
+    blk = st.blk + 1
+    due = (st.due & ~active) | (policy.due_after_block(blk, cache) & ~done)
+    return BlockState(
+        cache=constrain_cache(cache), prev=prev, start=start + bs, blk=blk, done=done, due=due, out=out, key=key,
+        nfe=st.nfe + jnp.where(active, nfe_b, 0), nfe_batch=st.nfe_batch + nfe_b,
+        peak=jnp.maximum(st.peak, policy.held_bytes(cache)),
+        peak_dense=jnp.maximum(st.peak_dense, dense_bytes(cfg, cache)),
+        evictions=st.evictions + res.evicted.astype(jnp.int32))

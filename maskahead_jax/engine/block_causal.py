@@ -1,0 +1,60 @@
+"""The block-causal core (Fast-dLLM v2, SDAR, DreamReasoner, LLaDA2.0): chunked prefill of the
+block-aligned prompt prefix, then blocks until every row is done. The prompt tail opens the
+first block. Everything here is traced once per (batch, prompt bucket, policy) shape.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from ..model import lm_head
+from ..policies.protocol import StepContext
+from ..sharding import constrain_cache
+from .block import run_block
+from .prefill import prefill
+from .state import BlockState, dense_bytes, probe_forward
+
+
+def block_causal_core(params, prompt, plen, key, *, cfg, gen, policy, cache_dtype, phase: str = "all"):
+    b, pb = prompt.shape
+    bs, chunk, mask_id = gen.block_size, gen.prefill_chunk, cfg.mask_token_id
+    n_chunks = max(1, math.ceil(pb / chunk))
+    nblk = math.ceil((bs - 1 + gen.max_new_tokens) / bs)
+    prompt_cap = n_chunks * chunk
+    total_cap = max(prompt_cap, pb + (nblk + 1) * bs)
+    cap0, cap1 = policy.plan(prompt_cap, total_cap, bs, chunk)
+
+    n_pre = (plen // bs) * bs
+    padded = jnp.pad(prompt, ((0, 0), (0, prompt_cap + bs - pb)), constant_values=mask_id)
+    ctx = StepContext(forward=probe_forward(params, cfg), prompt=padded, plen=plen, n_pre=n_pre,
+                      block_size=bs, mask_id=mask_id, capacity=cap0, active=jnp.ones((b,), bool))
+    cache = policy.empty_cache(cfg.num_layers, b, cfg.num_kv_heads, cap0, cfg.head_dim, cache_dtype)
+    cache, last_h, peak0 = prefill(params, cfg, gen, policy, constrain_cache(cache), ctx, n_chunks)
+    prev_logits = lm_head(params, cfg, last_h)
+    if phase == "prefill":  # timing runs: stop after the prompt is in the cache
+        return dict(prev=prev_logits, kv_bytes=policy.held_bytes(cache))
+
+    # first block: the prompt tail, then masks
+    idx = n_pre[:, None] + jnp.arange(bs)[None]
+    tail = jnp.take_along_axis(padded, idx, axis=1)
+    first_block = jnp.where(idx < plen[:, None], tail, mask_id).astype(jnp.int32)
+    st = BlockState(
+        cache=cache, prev=prev_logits, start=n_pre.astype(jnp.int32), blk=jnp.int32(0),
+        done=jnp.zeros((b,), bool), due=policy.due_after_prefill(cache),
+        out=jnp.full((b, nblk * bs), mask_id, jnp.int32), key=key,
+        nfe=jnp.zeros((b,), jnp.int32), nfe_batch=jnp.int32(1 if pb else 0) * n_chunks,
+        peak=jnp.maximum(peak0, policy.held_bytes(cache)), peak_dense=dense_bytes(cfg, cache),
+        evictions=jnp.int32(0))
+
+    ctx = ctx._replace(capacity=cap1)
+    st = run_block(params, cfg, gen, policy, st, first_block, ctx._replace(first=True))
+    mask_block = jnp.full((b, bs), mask_id, jnp.int32)
+    st = jax.lax.while_loop(lambda s: (s.blk < nblk) & ~jnp.all(s.done),
+                            lambda s: run_block(params, cfg, gen, policy, s, mask_block, ctx), st)
+    c = st.cache
+    return dict(out=st.out, first_pos=n_pre, nfe=st.nfe, nfe_batch=st.nfe_batch,
+                kv_bytes=policy.held_bytes(c), dense_bytes=dense_bytes(cfg, c), kv_peak=st.peak,
+                dense_peak=st.peak_dense, live=c.live().max(axis=(0, 2)),
+                capacity=jnp.int32(c.capacity), evictions=st.evictions, blocks=st.blk)

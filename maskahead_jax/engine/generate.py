@@ -1,0 +1,132 @@
+"""`generate`, host side: validate, bucket the prompt length, pick the core, jit it once per
+shape, time it, run it on a mesh. The cores (block_causal.py, bidirectional.py) are traced once
+per (batch, prompt bucket, generation config, policy): one compile, no host syncs inside.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..config import GenerationConfig, ModelConfig, ResolvedGeneration
+from ..policies import Dense
+from ..sharding import run_sharded
+from .bidirectional import bidirectional_core
+from .block_causal import block_causal_core
+from .stats import GenerateOutput, finish
+
+
+class PromptTooLongError(ValueError):
+    """A prompt exceeds GenerationConfig.max_prompt_len (or the model's position range)."""
+
+
+def _bucket(n: int, quantum: int) -> int:
+    return max(quantum, int(math.ceil(n / quantum)) * quantum)
+
+
+_CORES = {}
+
+
+def _core_fn(cfg: ModelConfig, jit: bool):
+    fn = bidirectional_core if cfg.attention == "bidirectional" else block_causal_core
+    if not jit:
+        return fn
+    if fn not in _CORES:
+        _CORES[fn] = jax.jit(fn, static_argnames=("cfg", "gen", "policy", "cache_dtype", "phase"))
+    return _CORES[fn]
+
+
+def _validate_prompts(prompts, cfg: ModelConfig, gen: ResolvedGeneration):
+    if isinstance(prompts, (np.ndarray, jax.Array)):
+        prompts = [list(map(int, p)) for p in np.asarray(prompts).reshape(len(prompts), -1)]
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("prompts must be a non-empty list of non-empty token-id lists")
+    for i, p in enumerate(prompts):
+        if len(p) > gen.max_prompt_len:
+            raise PromptTooLongError(
+                f"prompt {i} has {len(p)} tokens, more than max_prompt_len={gen.max_prompt_len}")
+        bad = [t for t in p if not 0 <= int(t) < cfg.vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i} has token ids outside [0, {cfg.vocab_size}): {bad[:5]}")
+    total = max(len(p) for p in prompts) + gen.max_new_tokens + gen.block_size
+    if total > cfg.max_position_embeddings:
+        raise PromptTooLongError(
+            f"prompt + max_new_tokens needs {total} positions, the model has "
+            f"{cfg.max_position_embeddings}")
+    return [list(map(int, p)) for p in prompts]
+
+
+def prompt_bucket(n: int, quantum: int = 64) -> int:
+    """Prompt-length bucket: the next multiple of `quantum`, so nearby lengths share a compile."""
+    return _bucket(n, quantum)
+
+
+def generate(model, prompts: Sequence[Sequence[int]], config: GenerationConfig = GenerationConfig(),
+             policy=None, *, jit: bool = True, cache_dtype=None, bucket: int = 64,
+             mesh=None) -> GenerateOutput:
+    """Generate for a ragged batch of token-id prompts with a KV-cache policy (None = Dense).
+
+    jit=False runs the very same functions eagerly (a plain-Python debug loop).
+    cache_dtype defaults to the params' dtype.
+    mesh: a jax.sharding.Mesh (see maskahead_jax.sharding.make_mesh, e.g. "data=2,model=4"):
+    params / prompts are placed by the sharding rules and the same core runs under the mesh.
+    """
+    cfg: ModelConfig = model.config
+    gen = config.resolve(cfg)
+    policy = policy if policy is not None else Dense()
+    policy.validate(cfg, gen)
+    prompts = _validate_prompts(prompts, cfg, gen)
+    dtype = jnp.dtype(cache_dtype or model.params["embed"].dtype)
+    b = len(prompts)
+    pb = prompt_bucket(max(len(p) for p in prompts), max(bucket, gen.block_size))
+    arr = np.full((b, pb), cfg.mask_token_id, np.int32)
+    for i, p in enumerate(prompts):
+        arr[i, :len(p)] = p
+    plen = np.array([len(p) for p in prompts], np.int32)
+    fn = _core_fn(cfg, jit)
+    key = jax.random.PRNGKey(config.seed)
+    args = (model.params, jnp.asarray(arr), jnp.asarray(plen), key)
+    static = dict(cfg=cfg, gen=gen, policy=policy, cache_dtype=dtype)
+    timings = {}
+    if config.timings and jit and mesh is None:
+        res, timings = _timed_run(fn, args, static)
+    else:
+        t0 = time.perf_counter()
+        if mesh is not None:  # sharded run: see maskahead_jax/sharding.py
+            res = run_sharded(mesh, fn, model.params, arr, plen, key, jit=jit, **static)
+        elif jit:
+            res = fn(*args, **static)
+        else:
+            with jax.disable_jit():
+                res = fn(*args, **static)
+        res = jax.block_until_ready(res)
+        timings = dict(total_s=time.perf_counter() - t0)
+    res = jax.tree_util.tree_map(np.asarray, res)
+    wall = timings["total_s"]
+    out = finish(res, prompts, cfg, gen, wall, policy)
+    out.stats["timings"] = timings
+    return out
+
+
+def _timed_run(fn, args, static):
+    """Per-phase wall times: compile (ahead of time), prefill (a prefill-only program of the same
+    shapes), end to end, and decode = end to end - prefill. Each phase is compiled before timing."""
+    t0 = time.perf_counter()
+    full = fn.lower(*args, **static).compile()
+    compile_s = time.perf_counter() - t0
+    pre = fn.lower(*args, phase="prefill", **static).compile()
+    jax.block_until_ready(pre(*args))  # warm
+    t0 = time.perf_counter()
+    jax.block_until_ready(pre(*args))
+    prefill_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    res = jax.block_until_ready(full(*args))
+    total_s = time.perf_counter() - t0
+    return res, dict(compile_s=compile_s, prefill_s=prefill_s, total_s=total_s,
+                     decode_s=max(total_s - prefill_s, 0.0))
+
+

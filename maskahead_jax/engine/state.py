@@ -1,0 +1,56 @@
+"""Typed loop state of the block-causal engine, and the small helpers every core shares."""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from .. import memory
+from ..model import Segment, model_step
+
+
+class BlockState(NamedTuple):
+    """Carried through the block loop (lax.while_loop)."""
+
+    cache: Any  # the policy's cache (cache.Cache)
+    prev: jax.Array  # [B, V] logits at the last committed position (shifted-logits families)
+    start: jax.Array  # [B] int32 first position of the next block
+    blk: jax.Array  # int32 blocks run
+    done: jax.Array  # [B] bool rows finished (EOS or max_new_tokens)
+    due: jax.Array  # [B] bool a compression is due at the next block's step 0
+    out: jax.Array  # [B, nblk * bs] int32 committed blocks
+    key: jax.Array  # PRNG key
+    nfe: jax.Array  # [B] int32 forwards that included the row
+    nfe_batch: jax.Array  # int32 forwards of the batch
+    peak: jax.Array  # [B] float32 peak bytes held
+    peak_dense: jax.Array  # [B] float32 peak bytes of a bf16 cache of every seen token
+    evictions: jax.Array  # int32 evictions run
+
+
+def full_mask(b: int, t: int) -> jax.Array:
+    return jnp.ones((b, t, t), bool)
+
+
+def dense_segments(cache, num_layers: int) -> list[Segment]:
+    """Every layer reads the whole cache."""
+    return [Segment(0, num_layers, cache.context())]
+
+
+def row_take(a, idx):
+    """a [B, T, ...], idx [B] -> [B, ...]."""
+    return jnp.take_along_axis(a, idx.reshape((-1, 1) + (1,) * (a.ndim - 2)), axis=1)[:, 0]
+
+
+def probe_forward(params, cfg):
+    """The narrow forward a policy's probes call: (cache, tokens, positions, mask, rows) -> the
+    pooled attention mass [L, B, Hkv, N] over the whole cache; nothing is written."""
+    def forward(cache, tokens, positions, mask, rows):
+        return model_step(params, cfg, tokens, positions, mask,
+                          dense_segments(cache, cfg.num_layers), rows).mass
+    return forward
+
+
+def dense_bytes(cfg, cache) -> jax.Array:
+    """[B] bytes of a bf16 cache of every token the row has seen (the reduction's baseline)."""
+    return memory.bf16_dense_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cache.seen)

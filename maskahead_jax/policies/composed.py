@@ -1,0 +1,69 @@
+"""A policy as a composition: a selection part and an eviction part answer every engine hook.
+
+A subclass keeps its user-facing knobs as flat dataclass fields (`MaskAhead(capacity_pct=10,
+topk_floor=256)`) and says how they compose by two properties:
+
+    selector -> selection.Selector or None   (None: every block reads the whole cache)
+    eviction -> eviction.Eviction or None    (None: nothing is ever evicted)
+
+`ComposedPolicy` then implements the protocol (policies/protocol.py): statistics are computed
+when either part reads them, the scorer's state is updated at every block, the block reads
+the selector's choice of the pre-eviction cache, and the eviction runs when due.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar, Optional
+
+import jax.numpy as jnp
+
+from .eviction import Eviction
+from .protocol import BlockResult, Policy, StepContext
+from .selection import Selector, masked_rows
+
+
+@dataclasses.dataclass(frozen=True)
+class ComposedPolicy(Policy):
+    takes_budget: ClassVar[bool] = True
+    keeps_state: ClassVar[bool] = True
+
+    @property
+    def selector(self) -> Optional[Selector]:
+        return None
+
+    @property
+    def eviction(self) -> Optional[Eviction]:
+        return None
+
+    # ---------------------------------------------------------------- hooks
+    def plan(self, prompt_cap: int, total_cap: int, block_size: int, chunk: int = 512):
+        ev = self.eviction
+        if ev is None:
+            return total_cap, total_cap
+        return ev.plan(prompt_cap, total_cap, block_size, chunk)
+
+    def stat_rows(self, masked, active):
+        sel = self.selector
+        return sel.stat_rows(masked, active) if sel is not None else masked_rows(masked, active)
+
+    def on_prefill_chunk(self, cache, ctx: StepContext):
+        ev = self.eviction
+        return cache if ev is None else ev.at_prefill_chunk(cache, ctx)
+
+    def due_after_prefill(self, cache):
+        ev = self.eviction
+        return jnp.zeros(cache.length.shape, bool) if ev is None else ev.due_after_prefill(cache)
+
+    def due_after_block(self, blocks_done, cache):
+        ev = self.eviction
+        return jnp.zeros(cache.length.shape, bool) if ev is None else ev.due_after_block(blocks_done, cache)
+
+    def on_block(self, cache, ctx: StepContext) -> BlockResult:
+        sel, ev = self.selector, self.eviction
+        if ev is not None:
+            cache = ev.scorer.observe(cache, ctx.mass)
+        selection = sel.select(cache, ctx.mass, ctx.score) if sel is not None else None
+        if ev is None:
+            return BlockResult(cache.resize(ctx.capacity), selection, jnp.bool_(False), jnp.int32(0))
+        cache, evicted, forwards = ev.at_block(cache, ctx)
+        return BlockResult(cache, selection, evicted, forwards)

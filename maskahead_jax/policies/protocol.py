@@ -1,0 +1,121 @@
+"""The policy protocol: the hooks the engine calls, the read-only context it hands them, and
+the one `PolicyError`.
+
+A policy is a frozen, hashable dataclass (a static jit argument). The engine
+(maskahead_jax/engine) knows none of its fields; it calls these hooks and nothing else:
+
+  validate(cfg, gen)                     refuse settings that cannot run (PolicyError)
+  plan(prompt_cap, total_cap, block, chunk) -> (prefill capacity, decode capacity), static
+  empty_cache(L, B, Hkv, N, D, dtype)    the cache this policy stores into (cache.Cache)
+  stat_rows(masked, active)              [B, T] step-0 queries pooled into the statistics, or
+                                         None: step 0 computes no statistics
+  on_prefill_chunk(cache, ctx)           after each stored prefill chunk (bounded prefill)
+  due_after_prefill(cache)               [B] a compression is due at the first block's step 0
+  on_block(cache, ctx) -> BlockResult    at step 0 of every block: update state, choose what the
+                                         block reads, evict when `ctx.due`, with probes it builds
+                                         itself through `ctx.forward`
+  due_after_block(blocks_done, cache)    [B] a compression is due at the next block's step 0
+  on_prompt(cache, vote, plen)           bidirectional families: compress the prompt once
+                                         (MaskKV), or None to keep it
+  held_bytes(cache)                      [B] bytes this policy holds (memory stats)
+
+`Policy` below implements every hook as the exact full cache does (nothing selected, nothing
+evicted), so a policy overrides only what it changes. Most policies are compositions of a
+selection part and an eviction part (policies/composed.py); a new one can also be a few lines
+that override `on_block` (docs/extending.md).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, ClassVar, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+
+from .. import memory
+from ..cache import Cache, KVCache, empty as float_empty
+
+
+class PolicyError(ValueError):
+    """An invalid policy setting: unknown name, bad budget or knob, a model it cannot run on."""
+
+
+# (cache, tokens [B, T], positions [B, T], mask [B, T, T] bool, rows [B, T] bool)
+#   -> mass [L, B, Hkv, N]: a forward over the whole (dense) cache that writes nothing and returns
+#   each cache entry's softmax mass pooled over `rows` and the GQA group (the probes' primitive)
+Forward = Callable[..., jax.Array]
+
+
+class StepContext(NamedTuple):
+    """What the engine tells a hook (read-only). Prefill hooks get tokens/start/mass/score None."""
+
+    forward: Forward
+    prompt: jax.Array  # [B, P] padded prompt tokens
+    plen: jax.Array  # [B] prompt lengths
+    n_pre: jax.Array  # [B] block-aligned prompt prefix stored by prefill
+    block_size: int
+    mask_id: int
+    capacity: int  # static slots the returned cache must have
+    active: jax.Array  # [B] rows still generating
+    due: Optional[jax.Array] = None  # [B] a compression is due (on_block)
+    first: bool = False  # static: the first block after the prompt
+    tokens: Optional[jax.Array] = None  # [B, bs] the block at step 0
+    start: Optional[jax.Array] = None  # [B] the block's first position
+    mass: Optional[jax.Array] = None  # [L, B, Hkv, N] step-0 prefix mass (stat_rows pooled)
+    score: Optional[jax.Array] = None  # [L, B, Hkv, N] step-0 value score a_i * ||v_i - c||
+
+
+class BlockResult(NamedTuple):
+    """on_block's answer: the cache (in ctx.capacity slots), what later steps read, and counts."""
+
+    cache: Any
+    selection: Optional[tuple]  # None: read the whole cache; else (n_dense, model.Context of layers n_dense..L)
+    evicted: jax.Array  # scalar bool: an eviction ran
+    forwards: jax.Array  # scalar int32: probe forwards it ran
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """Base of every policy: the exact full cache. Subclasses override the hooks they change."""
+
+    name: ClassVar[str] = "dense"
+    takes_budget: ClassVar[bool] = False  # make(name, capacity_pct) applies; sweeps fan it out
+    keeps_state: ClassVar[bool] = False  # memory: 10 B of eviction state per kept entry
+
+    def validate(self, cfg, gen) -> None:
+        return None
+
+    def plan(self, prompt_cap: int, total_cap: int, block_size: int, chunk: int = 512):
+        """(capacity while prefilling, capacity while decoding); total_cap holds everything."""
+        return total_cap, total_cap
+
+    def empty_cache(self, num_layers, batch, kv_heads, capacity, head_dim, dtype=jnp.bfloat16) -> Cache:
+        return float_empty(num_layers, batch, kv_heads, capacity, head_dim, dtype)
+
+    def stat_rows(self, masked, active):
+        return None
+
+    def on_prefill_chunk(self, cache, ctx: StepContext):
+        return cache
+
+    def due_after_prefill(self, cache) -> jax.Array:
+        return jnp.zeros(cache.length.shape, bool)
+
+    def on_block(self, cache, ctx: StepContext) -> BlockResult:
+        return BlockResult(cache.resize(ctx.capacity), None, jnp.bool_(False), jnp.int32(0))
+
+    def due_after_block(self, blocks_done, cache) -> jax.Array:
+        return jnp.zeros(cache.length.shape, bool)
+
+    def on_prompt(self, cache: KVCache, vote: Callable[[], jax.Array], plen) -> Optional[KVCache]:
+        return None
+
+    def held_bytes(self, cache) -> jax.Array:
+        return memory.row_bytes(cache.valid, cache.bytes_per_token, self.keeps_state)
+
+
+@dataclasses.dataclass(frozen=True)
+class Dense(Policy):
+    """Full exact cache: every block reads everything; nothing is evicted."""
+
+    name = "dense"

@@ -1,0 +1,78 @@
+"""The one policy registry: names -> (class, preset knobs), and `make`, which builds a policy by
+name with a budget where the policy has one and refuses one where it means nothing.
+
+    make("maskahead", 10)                      MaskAhead(capacity_pct=10.0)
+    make("maskkv", 5)                          MaskKV(budget_pct=5.0)
+    make("mage", 10)                           PolicyError: mage never evicts, it takes no budget
+    register("keynorm", KeyNorm)               a user's policy, usable by name everywhere
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple, Optional
+
+from .protocol import PolicyError
+
+
+class Entry(NamedTuple):
+    cls: type
+    preset: dict  # knobs fixed by the name (e.g. mage: select_ranking="mass")
+    budget_field: Optional[str]  # the field a budget percentage sets; None: no budget
+
+
+_REGISTRY: dict[str, Entry] = {}
+
+
+def _key(name: str) -> str:
+    return name.strip().lower().replace("_", "-")
+
+
+def register(name: str, cls: type, budget_field: Optional[str] = "capacity_pct", **preset) -> None:
+    """Add a policy class under `name`; `preset` knobs are fixed by the name. budget_field=None
+    (or a class whose default instance has takes_budget False) marks a policy without a budget."""
+    if not dataclasses.is_dataclass(cls):
+        raise PolicyError(f"policy {name!r}: {cls!r} is not a dataclass (policies are frozen dataclasses)")
+    if budget_field is not None and not cls(**preset).takes_budget:
+        budget_field = None
+    _REGISTRY[_key(name)] = Entry(cls, dict(preset), budget_field)
+
+
+def names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def entry(name: str) -> Entry:
+    key = _key(name)
+    if key not in _REGISTRY:
+        raise PolicyError(f"unknown policy {name!r}; known: {', '.join(names())}")
+    return _REGISTRY[key]
+
+
+def takes_budget(name: str) -> bool:
+    """Whether `make(name, capacity_pct)` applies a budget (sweeps fan only these out)."""
+    return entry(name).budget_field is not None
+
+
+def knobs(name: str) -> list[str]:
+    """The knobs a policy accepts (its dataclass fields, less those its name fixes)."""
+    e = entry(name)
+    return [f.name for f in dataclasses.fields(e.cls) if f.name not in e.preset]
+
+
+def make(name: str, capacity_pct: float | None = None, **kw):
+    """Build a policy by name. `capacity_pct` sets its budget (a percentage in (0, 100]); a policy
+    that never evicts refuses one. Unknown knobs are a PolicyError naming the accepted ones."""
+    e = entry(name)
+    key = _key(name)
+    if capacity_pct is not None:
+        if e.budget_field is None:
+            raise PolicyError(f"policy {key!r} never evicts, so it takes no budget (got {capacity_pct}); "
+                              f"run it without one")
+        if not 0 < float(capacity_pct) <= 100:
+            raise PolicyError(f"{e.budget_field} must be a percentage in (0, 100], got {capacity_pct}")
+        kw[e.budget_field] = float(capacity_pct)
+    bad = sorted(set(kw) - set(knobs(key)))
+    if bad:
+        raise PolicyError(f"policy {key!r} has no knob {', '.join(bad)}; its knobs: {', '.join(knobs(key))}")
+    kw = {k: tuple(v) if isinstance(v, list) else v for k, v in kw.items()}  # hashable
+    return e.cls(**e.preset, **kw)

@@ -1,0 +1,104 @@
+"""Eviction scorers: what an eviction ranks cache entries by (higher survives).
+
+A scorer is a small frozen dataclass with `scores(cache, mass0, probe) -> [L, B, Hkv, N]`
+(mass0: the step-0 prefix mass or None; probe: the probe's mass or None) and, if it keeps
+per-entry state, `observe(cache, mass) -> cache` (called at every block's step 0).
+
+  ValueScore     MaskAhead: A_i * ||v_i - c||, A = mass0 + probe, c = sum A_i v_i / sum A_i
+  MassScore      A_i alone (the MAGE-like ranking)
+  PositionScore  StreamingLLM: newest first (sinks / recent are forced keeps)
+  Accumulated    H2O: step-0 mass summed (decay 1) since an entry entered the cache, in cache.acc
+  CAOTE          H2O + CAOTE: h_i / (1 - h_i) * ||v_i - o||, h = acc normalised per lane
+  PooledVote     SnapKV: the probe's mass alone, max-pooled over `pool` neighbouring slots
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from ..kernels.reference import value_score
+
+
+def _total(mass0, probe):
+    return mass0 if probe is None else mass0 + probe
+
+
+@dataclasses.dataclass(frozen=True)
+class Stateless:
+    """Base: no per-entry state."""
+
+    def observe(self, cache, mass):
+        return cache
+
+
+@dataclasses.dataclass(frozen=True)
+class ValueScore(Stateless):
+    def scores(self, cache, mass0, probe):
+        return value_score(_total(mass0, probe), cache.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class MassScore(Stateless):
+    def scores(self, cache, mass0, probe):
+        return _total(mass0, probe)
+
+
+@dataclasses.dataclass(frozen=True)
+class PositionScore(Stateless):
+    def scores(self, cache, mass0, probe):
+        return cache.pos.astype(jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Accumulated:
+    decay: float = 1.0  # acc <- decay * acc + mass at every block's step 0 (1: plain sum)
+
+    def observe(self, cache, mass):
+        if mass is None:
+            return cache
+        acc = self.decay * cache.acc + jnp.where(cache.valid, mass.astype(jnp.float32), 0.0)
+        return cache._replace(acc=acc)
+
+    def scores(self, cache, mass0, probe):
+        return cache.acc
+
+
+def caote_scores(acc: jax.Array, v: jax.Array, valid: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """CAOTE eviction error h_i / (1 - h_i) * ||v_i - o||, h = acc normalised over the lane's valid
+    entries, o = sum_i h_i v_i.  acc/valid [..., S], v [..., S, D]."""
+    h = jnp.where(valid, acc.astype(jnp.float32), 0.0)
+    h = h / jnp.maximum(h.sum(-1, keepdims=True), 1e-30)
+    vf = v.astype(jnp.float32)
+    o = jnp.einsum("...s,...sd->...d", h, vf)
+    dist = jnp.linalg.norm(vf - o[..., None, :], axis=-1)
+    return h / jnp.maximum(1.0 - h, eps) * dist
+
+
+@dataclasses.dataclass(frozen=True)
+class CAOTE(Accumulated):
+    def scores(self, cache, mass0, probe):
+        return caote_scores(cache.acc, cache.values(), cache.valid)
+
+
+def max_pool_1d(x: jax.Array, kernel: int) -> jax.Array:
+    """Max over a centred window of `kernel` neighbours along the last axis (stride 1, 'same')."""
+    if kernel <= 1:
+        return x
+    lo = (kernel - 1) // 2
+    hi = kernel - 1 - lo
+    cfg = [(0, 0)] * (x.ndim - 1) + [(lo, hi)]
+    xp = jnp.pad(x, cfg, constant_values=-jnp.inf)
+    n = x.shape[-1]
+    return jnp.max(jnp.stack([xp[..., i:i + n] for i in range(kernel)], axis=0), axis=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class PooledVote(Stateless):
+    pool: int = 5
+
+    def scores(self, cache, mass0, probe):
+        a = mass0 if probe is None else probe  # the window queries' vote only
+        a = jnp.where(cache.valid, a.astype(jnp.float32), -jnp.inf)
+        return max_pool_1d(a, self.pool)
