@@ -43,8 +43,12 @@ class ComposedPolicy(Policy):
         return ev.plan(prompt_cap, total_cap, block_size, chunk)
 
     def stat_rows(self, masked, active):
-        sel = self.selector
-        return sel.stat_rows(masked, active) if sel is not None else masked_rows(masked, active)
+        sel, ev = self.selector, self.eviction
+        if sel is not None:
+            return sel.stat_rows(masked, active)
+        if ev is not None and ev.scorer.reads_mass:
+            return masked_rows(masked, active)
+        return None  # nobody reads step-0 statistics: step 0 computes none
 
     def on_prefill_chunk(self, cache, ctx: StepContext):
         ev = self.eviction

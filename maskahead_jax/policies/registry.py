@@ -5,10 +5,17 @@ name with a budget where the policy has one and refuses one where it means nothi
     make("maskkv", 5)                          MaskKV(budget_pct=5.0)
     make("mage", 10)                           PolicyError: mage never evicts, it takes no budget
     register("keynorm", KeyNorm)               a user's policy, usable by name everywhere
+
+Policies of other packages are found without code changes here: a module named in the
+environment variable MASKAHEAD_POLICY_PLUGINS (comma-separated) or in the entry-point group
+"maskahead_jax.policies" is imported on first lookup, and its `register` calls add its names.
 """
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import os
+from importlib.metadata import entry_points
 from typing import NamedTuple, Optional
 
 from .protocol import PolicyError
@@ -21,6 +28,23 @@ class Entry(NamedTuple):
 
 
 _REGISTRY: dict[str, Entry] = {}
+PLUGINS_ENV = "MASKAHEAD_POLICY_PLUGINS"
+_loaded: set[str] = set()
+
+
+def load_plugins() -> None:
+    """Import the plugin modules (env var, then entry points) not imported yet; each registers
+    its policies. A module that cannot be imported is a PolicyError naming it."""
+    mods = [m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(",") if m.strip()]
+    mods += [ep.value.split(":")[0] for ep in entry_points(group="maskahead_jax.policies")]
+    for mod in mods:
+        if mod in _loaded:
+            continue
+        _loaded.add(mod)
+        try:
+            importlib.import_module(mod)
+        except ImportError as e:
+            raise PolicyError(f"policy plugin {mod!r} cannot be imported: {e}") from e
 
 
 def _key(name: str) -> str:
@@ -38,11 +62,14 @@ def register(name: str, cls: type, budget_field: Optional[str] = "capacity_pct",
 
 
 def names() -> list[str]:
+    load_plugins()
     return sorted(_REGISTRY)
 
 
 def entry(name: str) -> Entry:
     key = _key(name)
+    if key not in _REGISTRY:
+        load_plugins()
     if key not in _REGISTRY:
         raise PolicyError(f"unknown policy {name!r}; known: {', '.join(names())}")
     return _REGISTRY[key]

@@ -1,8 +1,9 @@
 """Eviction scorers: what an eviction ranks cache entries by (higher survives).
 
-A scorer is a small frozen dataclass with `scores(cache, mass0, probe) -> [L, B, Hkv, N]`
-(mass0: the step-0 prefix mass or None; probe: the probe's mass or None) and, if it keeps
-per-entry state, `observe(cache, mass) -> cache` (called at every block's step 0).
+A scorer is a small frozen dataclass (subclass `Scorer`) with `scores(cache, mass0, probe) ->
+[L, B, Hkv, N]` (mass0: the step-0 prefix mass or None; probe: the probe's mass or None) and, if
+it keeps per-entry state, `observe(cache, mass) -> cache` (called at every block's step 0).
+`reads_mass = False` tells the engine that step 0 need not compute statistics for it.
 
   ValueScore     MaskAhead: A_i * ||v_i - c||, A = mass0 + probe, c = sum A_i v_i / sum A_i
   MassScore      A_i alone (the MAGE-like ranking)
@@ -14,6 +15,7 @@ per-entry state, `observe(cache, mass) -> cache` (called at every block's step 0
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -26,33 +28,40 @@ def _total(mass0, probe):
 
 
 @dataclasses.dataclass(frozen=True)
-class Stateless:
-    """Base: no per-entry state."""
+class Scorer:
+    """Base: no per-entry state; reads the step-0 mass."""
+
+    reads_mass: ClassVar[bool] = True
 
     def observe(self, cache, mass):
         return cache
 
+    def scores(self, cache, mass0, probe):
+        raise NotImplementedError
+
 
 @dataclasses.dataclass(frozen=True)
-class ValueScore(Stateless):
+class ValueScore(Scorer):
     def scores(self, cache, mass0, probe):
         return value_score(_total(mass0, probe), cache.values())
 
 
 @dataclasses.dataclass(frozen=True)
-class MassScore(Stateless):
+class MassScore(Scorer):
     def scores(self, cache, mass0, probe):
         return _total(mass0, probe)
 
 
 @dataclasses.dataclass(frozen=True)
-class PositionScore(Stateless):
+class PositionScore(Scorer):
+    reads_mass = False
+
     def scores(self, cache, mass0, probe):
         return cache.pos.astype(jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)
-class Accumulated:
+class Accumulated(Scorer):
     decay: float = 1.0  # acc <- decay * acc + mass at every block's step 0 (1: plain sum)
 
     def observe(self, cache, mass):
@@ -95,7 +104,7 @@ def max_pool_1d(x: jax.Array, kernel: int) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class PooledVote(Stateless):
+class PooledVote(Scorer):
     pool: int = 5
 
     def scores(self, cache, mass0, probe):
