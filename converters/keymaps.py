@@ -6,6 +6,8 @@ pytree leaf(s) it fills, and a hook naming how the tensor is reshaped. Layer rul
 layer only when all its targets exist there (so q/k-norm, q/k/v bias, dense-vs-MoE MLP and
 tied embeddings all follow the config). `build_plan` enumerates every expected key with its
 expected HF shape, which is what the loader validates against before reading any data.
+Every hook also carries its inverse, so the same plan writes params back in HF layout
+(`export_tensor`, converters/export.py).
 """
 from __future__ import annotations
 
@@ -33,13 +35,21 @@ def _r(key: str, *targets: str, hook: str = "copy") -> Rule:
 
 
 # ------------------------------------------------------------------ hooks
-# Each hook: (expected HF shape from the slot shapes, convert HF array -> one array per slot).
+# Each hook knows both directions, so one table drives import and export (converters/export.py):
+# the expected HF shape from the slot shapes, HF array -> one array per slot, and back.
+
+
+class Hook(NamedTuple):
+    src: Callable[[list[Shape]], Shape]  # slot shapes -> the HF tensor's shape
+    to_params: Callable[[np.ndarray, list[Shape]], list[np.ndarray]]  # HF array -> slot arrays
+    to_hf: Callable[[list[np.ndarray]], np.ndarray]  # slot arrays -> HF array (the inverse)
+
 
 def _prod(s) -> int:
     return int(np.prod(s, dtype=np.int64))
 
 
-def _linear(n_in: int):
+def _linear(n_in: int) -> Hook:
     """torch Linear [out, in] -> kernel [in..., out...]; n_in leading slot axes are inputs."""
     def src(slots: list[Shape]) -> Shape:
         s = slots[0]
@@ -48,7 +58,11 @@ def _linear(n_in: int):
     def conv(x: np.ndarray, slots: list[Shape]) -> list[np.ndarray]:
         return [x.T.reshape(slots[0])]
 
-    return src, conv
+    def inv(ys: list[np.ndarray]) -> np.ndarray:
+        y = ys[0]
+        return y.reshape(_prod(y.shape[:n_in]), _prod(y.shape[n_in:])).T
+
+    return Hook(src, conv, inv)
 
 
 def _flat_src(slots):
@@ -72,12 +86,21 @@ def _qkv_conv(x: np.ndarray, slots: list[Shape]) -> list[np.ndarray]:
     return list(parts)  # bias [h, Dh]
 
 
-HOOKS: dict[str, tuple[Callable, Callable]] = {
-    "copy": (lambda slots: slots[0], lambda x, slots: [x]),
+def _qkv_inv(ys: list[np.ndarray]) -> np.ndarray:
+    """Kernels [D, h, Dh] -> [h, Dh, D], or biases [h, Dh], joined by heads and flattened."""
+    if ys[0].ndim == 3:
+        x = np.concatenate([y.transpose(1, 2, 0) for y in ys], axis=0)
+        return x.reshape(-1, x.shape[-1])
+    return np.concatenate(ys, axis=0).reshape(-1)
+
+
+HOOKS: dict[str, Hook] = {
+    "copy": Hook(lambda slots: slots[0], lambda x, slots: [x], lambda ys: ys[0]),
     "linear": _linear(1),  # [D, out...] kernels: q/k/v heads, MLP, router, lm head
     "linear_o": _linear(2),  # [H, Dh, D] output projection
-    "flat": (_flat_src, lambda x, slots: [x.reshape(slots[0])]),  # q/k/v bias [h, Dh]
-    "qkv": (_qkv_src, _qkv_conv),
+    "flat": Hook(_flat_src, lambda x, slots: [x.reshape(slots[0])],
+                 lambda ys: ys[0].reshape(-1)),  # q/k/v bias [h, Dh]
+    "qkv": Hook(_qkv_src, _qkv_conv, _qkv_inv),
 }
 
 # ------------------------------------------------------------------ layouts
@@ -184,8 +207,7 @@ def build_plan(cfg: ModelConfig) -> tuple[dict[str, Entry], set[str]]:
             return False
         slots = tuple(Slot(stack + tuple(t.split(".")), index, tuple(s[len(index):]))
                       for t, s in zip(rule.targets, leaves))
-        src, _ = HOOKS[rule.hook]
-        plan[key] = Entry(rule, slots, tuple(src([s.shape for s in slots])))
+        plan[key] = Entry(rule, slots, tuple(HOOKS[rule.hook].src([s.shape for s in slots])))
         return True
 
     for rule in LAYOUTS[cfg.layout]:
@@ -207,5 +229,9 @@ def build_plan(cfg: ModelConfig) -> tuple[dict[str, Entry], set[str]]:
 
 def convert_tensor(entry: Entry, x: np.ndarray) -> list[np.ndarray]:
     """Reshape / transpose / split one HF tensor into its slot arrays."""
-    _, conv = HOOKS[entry.rule.hook]
-    return conv(x, [s.shape for s in entry.slots])
+    return HOOKS[entry.rule.hook].to_params(x, [s.shape for s in entry.slots])
+
+
+def export_tensor(entry: Entry, arrays: list[np.ndarray]) -> np.ndarray:
+    """The inverse of `convert_tensor`: the entry's slot arrays -> the HF tensor (hf_shape)."""
+    return HOOKS[entry.rule.hook].to_hf(arrays)

@@ -512,33 +512,14 @@ def heldout_eval(params, cfg, pred, tok, L: int, n: int = 16, tasks=("passkey", 
 
 # ----------------------------------------------------------------------------- export
 def export_hf(params, cfg: ModelConfig, out_dir: str, extra_card: str = ""):
+    """Write the params as an HF folder: bfloat16 safetensors (the converters' key maps run
+    backwards, converters.export), config.json (hf_config) and the testbed tokenizer."""
     import ml_dtypes
-    from safetensors.numpy import save_file
 
-    os.makedirs(out_dir, exist_ok=True)
+    from converters.export import save_hf
+
     P = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float32), params)
-    D, H, Hk, Dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    t = {"model.embed_tokens.weight": P["embed"], "model.norm.weight": P["final_norm"]}
-    if not cfg.tie_embeddings:
-        t["lm_head.weight"] = P["lm_head"].T
-    ly = P["layers"]
-    for i in range(cfg.num_layers):
-        pre = f"model.layers.{i}."
-        t[pre + "input_layernorm.weight"] = ly["attn_norm"][i]
-        t[pre + "post_attention_layernorm.weight"] = ly["mlp_norm"][i]
-        t[pre + "self_attn.q_proj.weight"] = ly["wq"][i].reshape(D, H * Dh).T
-        t[pre + "self_attn.k_proj.weight"] = ly["wk"][i].reshape(D, Hk * Dh).T
-        t[pre + "self_attn.v_proj.weight"] = ly["wv"][i].reshape(D, Hk * Dh).T
-        t[pre + "self_attn.o_proj.weight"] = ly["wo"][i].reshape(H * Dh, D).T
-        t[pre + "self_attn.q_norm.weight"] = ly["q_norm"][i]
-        t[pre + "self_attn.k_norm.weight"] = ly["k_norm"][i]
-        t[pre + "mlp.gate_proj.weight"] = ly["mlp"]["gate"][i].T
-        t[pre + "mlp.up_proj.weight"] = ly["mlp"]["up"][i].T
-        t[pre + "mlp.down_proj.weight"] = ly["mlp"]["down"][i].T
-    t = {k: np.ascontiguousarray(v).astype(ml_dtypes.bfloat16) for k, v in t.items()}
-    save_file(t, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(hf_config(cfg), f, indent=2)
+    save_hf(P, cfg, out_dir, config=hf_config(cfg), dtype=ml_dtypes.bfloat16)
     T.save_tokenizer(os.path.join(out_dir, "tokenizer.json"))
     return out_dir
 
