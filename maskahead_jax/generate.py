@@ -1,6 +1,6 @@
 """`maskahead_jax.generate`: the public entry point, kept where users import it from; the engine
 itself lives in maskahead_jax/engine."""
-from .engine.generate import PromptTooLongError, generate, prompt_bucket
+from .engine.generate import BudgetWarning, PromptTooLongError, generate, prompt_bucket
 from .engine.stats import GenerateOutput
 
-__all__ = ["GenerateOutput", "PromptTooLongError", "generate", "prompt_bucket"]
+__all__ = ["BudgetWarning", "GenerateOutput", "PromptTooLongError", "generate", "prompt_bucket"]

@@ -6,4 +6,4 @@ knows no policy's fields.
 from .generate import PromptTooLongError, generate, prompt_bucket
 from .stats import GenerateOutput
 
-__all__ = ["GenerateOutput", "PromptTooLongError", "generate", "prompt_bucket"]
+__all__ = ["BudgetWarning", "GenerateOutput", "PromptTooLongError", "generate", "prompt_bucket"]

@@ -114,5 +114,5 @@ def bidirectional_core(params, prompt, plen, key, *, cfg, gen, policy, cache_dty
     dense = memory.bf16_dense_bytes(L, hkv, cfg.head_dim, plen)
     return dict(out=s.resp, first_pos=plen, nfe=jnp.broadcast_to(s.nfe, (b,)), nfe_batch=s.nfe,
                 kv_bytes=kvb, dense_bytes=dense, kv_peak=jnp.maximum(kvb, peak_bytes),
-                dense_peak=dense, live=s.cache.live().max(axis=(0, 2)),
+                dense_peak=dense, live=s.cache.live().max(axis=(0, 2)), seen=s.cache.seen,
                 capacity=jnp.int32(s.cache.capacity), evictions=jnp.int32(0), blocks=s.blk)

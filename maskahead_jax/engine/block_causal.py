@@ -57,4 +57,4 @@ def block_causal_core(params, prompt, plen, key, *, cfg, gen, policy, cache_dtyp
     return dict(out=st.out, first_pos=n_pre, nfe=st.nfe, nfe_batch=st.nfe_batch,
                 kv_bytes=policy.held_bytes(c), dense_bytes=dense_bytes(cfg, c), kv_peak=st.peak,
                 dense_peak=st.peak_dense, live=c.live().max(axis=(0, 2)),
-                capacity=jnp.int32(c.capacity), evictions=st.evictions, blocks=st.blk)
+                seen=c.seen, capacity=jnp.int32(c.capacity), evictions=st.evictions, blocks=st.blk)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from typing import Sequence
 
 import jax
@@ -22,6 +23,10 @@ from .stats import GenerateOutput, finish
 
 class PromptTooLongError(ValueError):
     """A prompt exceeds GenerationConfig.max_prompt_len (or the model's position range)."""
+
+
+class BudgetWarning(UserWarning):
+    """A policy's floor, not the requested budget, sets what is kept (stats["budget_note"])."""
 
 
 def _bucket(n: int, quantum: int) -> int:
@@ -80,6 +85,9 @@ def generate(model, prompts: Sequence[Sequence[int]], config: GenerationConfig =
     policy = policy if policy is not None else Dense()
     policy.validate(cfg, gen)
     prompts = _validate_prompts(prompts, cfg, gen)
+    note = policy.budget_note([len(p) for p in prompts])
+    if note:
+        warnings.warn(note, BudgetWarning, stacklevel=2)
     dtype = jnp.dtype(cache_dtype or model.params["embed"].dtype)
     b = len(prompts)
     pb = prompt_bucket(max(len(p) for p in prompts), max(bucket, gen.block_size))

@@ -18,7 +18,9 @@ class GenerateOutput:
 def finish(res, prompts, cfg, gen, wall, policy) -> GenerateOutput:
     """Cut each row's generated tokens (after its prompt tail, at EOS) and build the stats:
     forwards (per row and batch), KV bytes held vs a bf16 cache of every seen token (final and
-    peak), their ratio, live entries, the cache's capacity, evictions and blocks run."""
+    peak), their ratio, live entries and their share of the tokens seen (kept_pct: the budget in
+    effect, floors included), the cache's capacity, evictions and blocks run, and the policy's
+    note when a floor overrode the requested budget."""
     eos = set(cfg.eos_token_ids)
     toks = []
     n_gen = 0
@@ -41,7 +43,10 @@ def finish(res, prompts, cfg, gen, wall, policy) -> GenerateOutput:
         dense_bytes_final=dense.tolist(), dense_bytes_peak=res["dense_peak"].tolist(),
         reduction_final=(dense / np.maximum(kvb, 1)).tolist(),
         reduction_peak=(res["dense_peak"] / np.maximum(res["kv_peak"], 1)).tolist(),
-        live_entries=res["live"].tolist(), cache_capacity=int(res["capacity"]),
+        live_entries=res["live"].tolist(),
+        kept_pct=(100.0 * res["live"] / np.maximum(res["seen"], 1)).tolist(),
+        budget_note=policy.budget_note([len(p) for p in prompts]),
+        cache_capacity=int(res["capacity"]),
         evictions=int(res["evictions"]), blocks=int(res["blocks"]), wall_s=wall,
     )
     return GenerateOutput(tokens=toks, stats=stats)

@@ -27,9 +27,9 @@ register("h2o", H2O)
 register("caote", CAOTE)
 register("snapkv", SnapKV)
 register("herald", HERALD)
-register("maskkv", MaskKV, budget_field="budget_pct")
-register("pyramidkv", PyramidKV, budget_field="budget_pct")
-register("adakv", AdaKV, budget_field="budget_pct")
+register("maskkv", MaskKV, budget_field="budget_pct", entries_field="budget_per_head")
+register("pyramidkv", PyramidKV, budget_field="budget_pct", entries_field="budget_per_head")
+register("adakv", AdaKV, budget_field="budget_pct", entries_field="budget_per_head")
 
 __all__ = ["AdaKV", "BlockResult", "BoundedPrefillMaskAhead", "BoundedPrefillStreamingLLM", "CAOTE",
            "ComposedPolicy", "Dense", "H2O", "HERALD", "MaskAhead", "MaskKV", "Policy", "PolicyError",

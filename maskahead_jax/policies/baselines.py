@@ -22,7 +22,7 @@ import dataclasses
 from typing import ClassVar
 
 from .composed import ComposedPolicy
-from .eviction import Budget, Eviction, ForcedKeeps
+from .eviction import Eviction, ForcedKeeps, budget_of, check_budget
 from .maskahead import check_pct, check_positive
 from .probes import PromptWindow
 from .protocol import PolicyError
@@ -59,25 +59,22 @@ class ScheduledEviction(SelectKnobs, ComposedPolicy):
     sinks: int = 4
     recent: int = 64
     interval_blocks: int = 4
+    capacity_entries: int = 0  # > 0: an absolute budget of KV entries per lane
 
     def scorer(self):
         raise NotImplementedError
 
     @property
     def eviction(self) -> Eviction:
-        return Eviction(Budget(self.capacity_pct, self.capacity_floor), self.scorer(),
+        return Eviction(budget_of(self), self.scorer(),
                         ForcedKeeps(self.sinks, self.recent), interval_blocks=self.interval_blocks)
 
     def validate(self, cfg, gen) -> None:
         self.check_selector()
-        check_pct(capacity_pct=self.capacity_pct)
-        check_positive(capacity_floor=self.capacity_floor, interval_blocks=self.interval_blocks)
+        check_positive(interval_blocks=self.interval_blocks)
         if self.sinks < 0 or self.recent < 0:
             raise PolicyError("sinks and recent must be >= 0")
-        if self.capacity_floor < self.recent + self.sinks:
-            raise PolicyError(
-                f"capacity_floor={self.capacity_floor} is below recent + sinks = "
-                f"{self.recent + self.sinks}: the forced keeps would not fit")
+        check_budget(self, self.recent + self.sinks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,22 +137,19 @@ class SnapKV(SelectKnobs, ComposedPolicy):
     window: int = 32
     pool: int = 5
     sinks: int = 0
+    capacity_entries: int = 0  # > 0: an absolute budget of KV entries per lane
 
     @property
     def eviction(self) -> Eviction:
-        return Eviction(Budget(self.capacity_pct, self.capacity_floor), PooledVote(self.pool),
+        return Eviction(budget_of(self), PooledVote(self.pool),
                         ForcedKeeps(self.sinks, self.window), probe=PromptWindow(self.window))
 
     def validate(self, cfg, gen) -> None:
         self.check_selector()
-        check_pct(capacity_pct=self.capacity_pct)
-        check_positive(capacity_floor=self.capacity_floor, window=self.window, pool=self.pool)
+        check_positive(window=self.window, pool=self.pool)
         if self.sinks < 0:
             raise PolicyError(f"sinks must be >= 0, got {self.sinks}")
-        if self.capacity_floor < self.window + self.sinks:
-            raise PolicyError(
-                f"capacity_floor={self.capacity_floor} is below window + sinks = "
-                f"{self.window + self.sinks}: the forced keeps would not fit")
+        check_budget(self, self.window + self.sinks, "window + sinks")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -62,6 +62,11 @@ class ComposedPolicy(Policy):
         ev = self.eviction
         return jnp.zeros(cache.length.shape, bool) if ev is None else ev.due_after_block(blocks_done, cache)
 
+    def budget_note(self, prompt_lens) -> Optional[str]:
+        ev = self.eviction
+        note = ev.budget.note(min(prompt_lens)) if ev is not None and prompt_lens else None
+        return f"{self.name}: {note}" if note else None
+
     def on_block(self, cache, ctx: StepContext) -> BlockResult:
         sel, ev = self.selector, self.eviction
         if ev is not None:

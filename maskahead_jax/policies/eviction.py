@@ -1,8 +1,8 @@
 """The eviction part: how much the cache keeps, when it compacts, what it always keeps, what it
 ranks by, and which probe informs the ranking (research/maskahead.md §3, §6).
 
-  Budget        C(seen) = max(floor(pct% * seen), floor), rounded up to `multiple` (32 for a
-                packed cache: whole key groups)
+  Budget        C(seen) = max(floor(pct% * seen), floor), or a fixed number of `entries`,
+                rounded up to `multiple` (32 for a packed cache: whole key groups)
   ForcedKeeps   the newest `recent` entries and positions < `sinks` always survive
   Eviction      budget + scorer + keeps + probes + schedule:
                   after the prompt (due at step 0 of the first block) and, with interval_blocks
@@ -21,7 +21,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
-from .protocol import StepContext
+from .protocol import PolicyError, StepContext
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,16 +29,51 @@ class Budget:
     pct: float = 10.0
     floor: int = 512
     multiple: int = 1
+    entries: int = 0  # > 0: keep this many entries whatever was seen (pct and floor unused)
 
     def capacity(self, seen):
-        """C(seen) = max(floor(pct% * seen), floor), rounded up to a multiple of `multiple`."""
+        """C(seen) = max(floor(pct% * seen), floor) (or `entries`), rounded up to `multiple`."""
         m = self.multiple
         if isinstance(seen, int):
-            c = max(int(self.pct * seen // 100), self.floor)
+            c = self.entries or max(int(self.pct * seen // 100), self.floor)
             return -(-c // m) * m
-        c = jnp.floor(self.pct * seen.astype(jnp.float32) / 100.0).astype(jnp.int32)
-        c = jnp.maximum(c, self.floor)
+        if self.entries:
+            c = jnp.full(seen.shape, self.entries, jnp.int32)
+        else:
+            c = jnp.floor(self.pct * seen.astype(jnp.float32) / 100.0).astype(jnp.int32)
+            c = jnp.maximum(c, self.floor)
         return c if m == 1 else ((c + (m - 1)) // m) * m
+
+    def note(self, prompt_len: int) -> Optional[str]:
+        """A sentence when the floor, not the percentage, sets the budget for this prompt."""
+        if self.entries or prompt_len <= 0:
+            return None
+        c, by_pct = self.capacity(prompt_len), Budget(self.pct, 0, self.multiple).capacity(prompt_len)
+        if c <= by_pct:
+            return None
+        kept = min(c, prompt_len)
+        return (f"capacity_floor={self.floor} keeps {kept} of a {prompt_len}-token prompt "
+                f"({100 * kept / prompt_len:.0f}%), not capacity_pct={self.pct:g}%: lower "
+                f"capacity_floor, or give an absolute budget (kv_entries), for a {self.pct:g}% cache")
+
+
+def budget_of(policy, multiple: int = 1) -> Budget:
+    """The Budget of a policy with the usual knobs (capacity_pct, capacity_floor, capacity_entries)."""
+    return Budget(policy.capacity_pct, policy.capacity_floor, multiple, policy.capacity_entries)
+
+
+def check_budget(policy, forced: int, forced_what: str = "recent + sinks") -> None:
+    """Those knobs are in range, and the smallest budget holds the `forced` keeps."""
+    if not 0 < policy.capacity_pct <= 100:
+        raise PolicyError(f"capacity_pct must be in (0, 100], got {policy.capacity_pct}")
+    if policy.capacity_floor <= 0:
+        raise PolicyError(f"capacity_floor must be positive, got {policy.capacity_floor}")
+    if policy.capacity_entries < 0:
+        raise PolicyError(f"capacity_entries must be >= 0 (0: use capacity_pct), got {policy.capacity_entries}")
+    name, least = (("capacity_entries", policy.capacity_entries) if policy.capacity_entries
+                   else ("capacity_floor", policy.capacity_floor))
+    if least < forced:
+        raise PolicyError(f"{name}={least} is below {forced_what} = {forced}: the forced keeps would not fit")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,7 +27,7 @@ import dataclasses
 from typing import Optional
 
 from .composed import ComposedPolicy
-from .eviction import Budget, Eviction, ForcedKeeps
+from .eviction import Budget, Eviction, ForcedKeeps, budget_of, check_budget
 from .probes import Lookahead, Question
 from .protocol import PolicyError
 from .scorers import MassScore, ValueScore
@@ -66,6 +66,7 @@ class MaskAhead(ComposedPolicy):
     evict_ranking: str = "value"  # value | mass | none (no eviction)
     question_tokens: int = 0  # > 0: the first eviction probes the question's last N tokens
     pin_question: bool = False  # with question_tokens: that span always survives
+    capacity_entries: int = 0  # > 0: an absolute budget of KV entries per lane (pct / floor unused)
 
     # ------------------------------------------------------------------ parts
     @property
@@ -75,7 +76,7 @@ class MaskAhead(ComposedPolicy):
         return Selector(self.select_ranking, self.topk_pct, self.topk_floor, self.dense_layers)
 
     def budget(self) -> Budget:
-        return Budget(self.capacity_pct, self.capacity_floor)
+        return budget_of(self)
 
     @property
     def eviction(self) -> Optional[Eviction]:
@@ -98,18 +99,15 @@ class MaskAhead(ComposedPolicy):
             raise PolicyError(f"select_ranking must be value|mass|none, got {self.select_ranking!r}")
         if self.evict_ranking not in RANKINGS:
             raise PolicyError(f"evict_ranking must be value|mass|none, got {self.evict_ranking!r}")
-        check_pct(capacity_pct=self.capacity_pct, topk_pct=self.topk_pct)
-        check_positive(capacity_floor=self.capacity_floor, topk_floor=self.topk_floor,
-                       interval_blocks=self.interval_blocks, lookahead_blocks=self.lookahead_blocks)
+        check_pct(topk_pct=self.topk_pct)
+        check_positive(topk_floor=self.topk_floor, interval_blocks=self.interval_blocks,
+                       lookahead_blocks=self.lookahead_blocks)
         if self.sinks < 0 or self.recent < 0 or self.dense_layers < 0:
             raise PolicyError("sinks, recent and dense_layers must be >= 0")
         if self.question_tokens < 0:
             raise PolicyError(f"question_tokens must be >= 0, got {self.question_tokens}")
         self.check_question()
-        if self.evict_ranking != "none" and self.capacity_floor < self.recent + self.sinks:
-            raise PolicyError(
-                f"capacity_floor={self.capacity_floor} is below recent + sinks = "
-                f"{self.recent + self.sinks}: the forced keeps would not fit")
+        check_budget(self, self.recent + self.sinks if self.evict_ranking != "none" else 0)
 
     def check_question(self) -> None:
         ev = self.eviction

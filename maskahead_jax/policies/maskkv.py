@@ -291,6 +291,13 @@ class MaskKV(Policy):
     def on_prompt(self, cache: KVCache, vote, plen) -> KVCache:
         return self.compress_prompt(cache, vote(), plen)
 
+    def budget_note(self, prompt_lens) -> Optional[str]:
+        n = min(prompt_lens) if prompt_lens else 0
+        if self.budget_pct is None and n and self.budget_per_head >= n:
+            return (f"{self.name}: budget_per_head={self.budget_per_head} holds the whole {n}-token "
+                    f"prompt: nothing is compressed (give a percentage, budget_pct, for short prompts)")
+        return None
+
     def held_bytes(self, cache) -> jax.Array:
         """Only kept entries count: ragged lanes are stored flattened (variable length)."""
         return memory.row_bytes(cache.valid, cache.bytes_per_token, False, kept_only=True)

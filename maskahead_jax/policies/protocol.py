@@ -18,6 +18,8 @@ A policy is a frozen, hashable dataclass (a static jit argument). The engine
   on_prompt(cache, vote, plen)           bidirectional families: compress the prompt once
                                          (MaskKV), or None to keep it
   held_bytes(cache)                      [B] bytes this policy holds (memory stats)
+  budget_note(prompt_lens)               a warning when a floor, not the requested budget,
+                                         sets what is kept for these prompts (or None)
 
 `Policy` below implements every hook as the exact full cache does (nothing selected, nothing
 evicted), so a policy overrides only what it changes. Most policies are compositions of a
@@ -112,6 +114,9 @@ class Policy:
 
     def held_bytes(self, cache) -> jax.Array:
         return memory.row_bytes(cache.valid, cache.bytes_per_token, self.keeps_state)
+
+    def budget_note(self, prompt_lens) -> Optional[str]:
+        return None
 
 
 @dataclasses.dataclass(frozen=True)

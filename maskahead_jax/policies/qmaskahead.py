@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from .. import quant
 from ..cache import packed, simulated
-from .eviction import Budget
+from .eviction import Budget, budget_of
 from .maskahead import MaskAhead
 from .protocol import PolicyError
 from .selection import Selector
@@ -62,7 +62,7 @@ class QMaskAhead(MaskAhead):
 
     # ------------------------------------------------------------------ parts (whole key groups)
     def budget(self) -> Budget:
-        return Budget(self.capacity_pct, self.capacity_floor, multiple=quant.GROUP)
+        return budget_of(self, multiple=quant.GROUP)
 
     @property
     def selector(self) -> Optional[Selector]:

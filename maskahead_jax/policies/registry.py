@@ -25,6 +25,7 @@ class Entry(NamedTuple):
     cls: type
     preset: dict  # knobs fixed by the name (e.g. mage: select_ranking="mass")
     budget_field: Optional[str]  # the field a budget percentage sets; None: no budget
+    entries_field: Optional[str]  # the field an absolute budget (KV entries per lane) sets
 
 
 _REGISTRY: dict[str, Entry] = {}
@@ -51,14 +52,19 @@ def _key(name: str) -> str:
     return name.strip().lower().replace("_", "-")
 
 
-def register(name: str, cls: type, budget_field: Optional[str] = "capacity_pct", **preset) -> None:
+def register(name: str, cls: type, budget_field: Optional[str] = "capacity_pct",
+             entries_field: Optional[str] = "capacity_entries", **preset) -> None:
     """Add a policy class under `name`; `preset` knobs are fixed by the name. budget_field=None
-    (or a class whose default instance has takes_budget False) marks a policy without a budget."""
+    (or a class whose default instance has takes_budget False) marks a policy without a budget;
+    entries_field names the knob of an absolute budget (None, or a field the class lacks: none)."""
     if not dataclasses.is_dataclass(cls):
         raise PolicyError(f"policy {name!r}: {cls!r} is not a dataclass (policies are frozen dataclasses)")
     if budget_field is not None and not cls(**preset).takes_budget:
         budget_field = None
-    _REGISTRY[_key(name)] = Entry(cls, dict(preset), budget_field)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    if budget_field is None or entries_field not in fields:
+        entries_field = None
+    _REGISTRY[_key(name)] = Entry(cls, dict(preset), budget_field, entries_field)
 
 
 def names() -> list[str]:
@@ -86,11 +92,29 @@ def knobs(name: str) -> list[str]:
     return [f.name for f in dataclasses.fields(e.cls) if f.name not in e.preset]
 
 
-def make(name: str, capacity_pct: float | None = None, **kw):
-    """Build a policy by name. `capacity_pct` sets its budget (a percentage in (0, 100]); a policy
-    that never evicts refuses one. Unknown knobs are a PolicyError naming the accepted ones."""
+def make(name: str, capacity_pct: float | None = None, *, compression_ratio: float | None = None,
+         kv_entries: int | None = None, **kw):
+    """Build a policy by name. Its budget, if any, in one of three ways: `capacity_pct`, the
+    percentage of seen tokens kept, in (0, 100]; `compression_ratio`, the fraction removed, in
+    [0, 1) (kvpress's convention: 0.9 keeps 10%); `kv_entries`, an absolute number of KV entries
+    kept per (layer, row, KV head). A policy that never evicts refuses a budget. Unknown knobs
+    are a PolicyError naming the accepted ones."""
     e = entry(name)
     key = _key(name)
+    given = [n for n, v in (("capacity_pct", capacity_pct), ("compression_ratio", compression_ratio),
+                            ("kv_entries", kv_entries)) if v is not None]
+    if len(given) > 1:
+        raise PolicyError(f"give one budget, not {' and '.join(given)}")
+    if compression_ratio is not None:
+        if not 0 <= float(compression_ratio) < 1:
+            raise PolicyError(f"compression_ratio must be in [0, 1) (the fraction removed), got {compression_ratio}")
+        capacity_pct = 100.0 * (1.0 - float(compression_ratio))
+    if kv_entries is not None:
+        if e.budget_field is None or e.entries_field is None:
+            raise PolicyError(f"policy {key!r} takes no absolute budget (kv_entries)")
+        if int(kv_entries) != kv_entries or kv_entries <= 0:
+            raise PolicyError(f"kv_entries must be a positive integer, got {kv_entries}")
+        kw[e.entries_field] = int(kv_entries)
     if capacity_pct is not None:
         if e.budget_field is None:
             raise PolicyError(f"policy {key!r} never evicts, so it takes no budget (got {capacity_pct}); "
