@@ -19,10 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from maskahead_jax.api import Model
 from maskahead_jax.config import FAMILY_DEFAULTS, ConfigError, ModelConfig
 from maskahead_jax.model import param_shapes
+from maskahead_jax.model.container import Model
 
+from .hf_config import model_config_from_hf
 from .keymaps import IGNORED, build_plan, convert_tensor
 from .tensors import CheckpointError, open_tensors, weight_files
 
@@ -38,7 +39,7 @@ def _np_dtype(dtype) -> Optional[np.dtype]:
 def read_config(path: str, family: Optional[str] = None) -> ModelConfig:
     """The ModelConfig of an HF or converted folder, with errors that name the folder.
 
-    family: force the model family (see `ModelConfig.from_hf`); a converted folder defaults to
+    family: force the model family (see `model_config_from_hf`); a converted folder defaults to
     the family it was converted as."""
     if not os.path.isdir(path):
         raise FileNotFoundError(f"no such checkpoint folder: {path}")
@@ -50,7 +51,7 @@ def read_config(path: str, family: Optional[str] = None) -> ModelConfig:
         family = _read_json(os.path.join(path, MARKER)).get("family")
     hf = _read_json(cfg_path)
     try:
-        return ModelConfig.from_hf(hf, family=family)
+        return model_config_from_hf(hf, family=family)
     except (ConfigError, TypeError) as e:
         raise CheckpointError(f"{cfg_path}: {e}") from e
 
@@ -187,7 +188,7 @@ def load_model(path: str, dtype=None, progress: bool = False, mesh=None,
                family: Optional[str] = None) -> Model:
     """Load an HF folder (safetensors / torch .bin) or a folder written by `convert`.
 
-    family: force the model family (`ModelConfig.from_hf`), e.g. to run a Qwen2 folder without
+    family: force the model family (`model_config_from_hf`), e.g. to run a Qwen2 folder without
     a block-diffusion marker as fast_dllm_v2.
 
     mesh: optional jax Mesh or spec ("data=2,model=4"): params are loaded straight into their

@@ -1,25 +1,15 @@
 """Public entry points: Model, load_pretrained, forward."""
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
-from .config import ModelConfig
 from .model import forward_logits
+from .model.container import Model  # re-exported: maskahead_jax.api.Model / maskahead_jax.Model
 
-
-@dataclasses.dataclass
-class Model:
-    """A config plus its params pytree."""
-
-    config: ModelConfig
-    params: Any
-
-    def astype(self, dtype) -> "Model":
-        return Model(self.config, jax.tree_util.tree_map(lambda a: a.astype(dtype), self.params))
+__all__ = ["Model", "forward", "load_pretrained"]
 
 
 def load_pretrained(path: str, dtype=None, family: Optional[str] = None) -> Model:
@@ -28,7 +18,9 @@ def load_pretrained(path: str, dtype=None, family: Optional[str] = None) -> Mode
     family: force the model family (fast_dllm_v2, dream, sdar, dream_reasoner, llada, llada2)
     instead of the one config.json implies; a qwen2 / qwen3 config without a block-diffusion
     marker is a plain autoregressive model and is refused unless a family is forced."""
-    from converters.load import load_model  # converters live beside the package
+    # converters sit above the library (they import it); import them only when called, so that
+    # importing maskahead_jax never imports converters
+    from converters.load import load_model
 
     return load_model(path, dtype=dtype, family=family)
 

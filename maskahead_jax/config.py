@@ -1,54 +1,43 @@
 """Model and generation configuration: frozen, hashable dataclasses.
 
-`ModelConfig.from_hf(dict)` reads the real `config.json` of every supported family:
-Fast-dLLM v2 / Dream (Qwen2 layout), SDAR / DreamReasoner (Qwen3 layout), LLaDA-8B and
-LLaDA2.0-mini (BailingMoeV2 layout). Family defaults (attention mask, logit shift, mask/eos ids,
-block size) come from the config and can be overridden.
+ModelConfig: the architecture and the block-diffusion behaviour of one model (static jit arg).
+FAMILY_DEFAULTS: each supported family's block-diffusion defaults, as a `FamilyDefaults` record.
+GenerationConfig / ResolvedGeneration: how to decode; `None` fields resolve to the model's values.
+
+Reading a Hugging Face `config.json` into a ModelConfig is the converters' job
+(`converters.hf_config.model_config_from_hf`); this module imports nothing of them.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-from typing import Any, Optional
+from typing import NamedTuple, Optional
 
-# model_type (lower-cased) -> (family, key layout)
-_MODEL_TYPES = {
-    "fast_dllm_qwen": ("fast_dllm_v2", "qwen2"),
-    "qwen2": ("fast_dllm_v2", "qwen2"),
-    "dream": ("dream", "qwen2"),  # DreamReasoner also says "Dream"; told apart by q/k norm
-    "sdar": ("sdar", "qwen3"),
-    "qwen3": ("sdar", "qwen3"),
-    "dream_reasoner": ("dream_reasoner", "qwen3"),
-    "llada": ("llada", "llada"),
-    "llama": ("llada", "llada"),
-    "llada2_moe": ("llada2", "llada2"),
-    "llada2_moe_veomni": ("llada2", "llada2"),
-    "bailing_moe_v2": ("llada2", "llada2"),
-    "bailing_moe": ("llada2", "llada2"),
-}
 
-# family -> (attention, logit shift, commit rule, default mask id, default eos ids, threshold)
-FAMILY_DEFAULTS = {
-    "fast_dllm_v2": ("block_causal", True, "fast_dllm", 151665, (151645,), 0.9),
-    "dream": ("bidirectional", True, "llada", 151666, (151643,), 0.9),
-    "sdar": ("block_causal", False, "dynamic", 151669, (151643, 151645), 0.85),
-    "dream_reasoner": ("block_causal", False, "dream_reasoner", 151669, (151643, 151645), 0.9),
-    "llada": ("bidirectional", False, "llada", 126336, (126081, 126348), 0.9),
-    "llada2": ("block_causal", False, "dynamic", 156895, (156892,), 0.95),
+class FamilyDefaults(NamedTuple):
+    """A family's block-diffusion defaults (what its config.json leaves unsaid)."""
+
+    attention: str  # bidirectional | block_causal
+    logits_shift: bool  # token j is predicted by the output at j - 1 (AR-initialised families)
+    commit_rule: str  # one of COMMIT_RULES
+    mask_token_id: int
+    eos_token_ids: tuple[int, ...]
+    threshold: float  # confidence threshold of the commit rule
+
+
+FAMILY_DEFAULTS: dict[str, FamilyDefaults] = {
+    "fast_dllm_v2": FamilyDefaults("block_causal", True, "fast_dllm", 151665, (151645,), 0.9),
+    "dream": FamilyDefaults("bidirectional", True, "llada", 151666, (151643,), 0.9),
+    "sdar": FamilyDefaults("block_causal", False, "dynamic", 151669, (151643, 151645), 0.85),
+    "dream_reasoner": FamilyDefaults("block_causal", False, "dream_reasoner", 151669, (151643, 151645), 0.9),
+    "llada": FamilyDefaults("bidirectional", False, "llada", 126336, (126081, 126348), 0.9),
+    "llada2": FamilyDefaults("block_causal", False, "dynamic", 156895, (156892,), 0.95),
 }
 
 ATTENTION_KINDS = ("bidirectional", "block_causal")
 
-# model_types that are also plain autoregressive backbones: such a config.json must say it is a
-# diffusion LM (Fast-dLLM v2 writes bd_size, SDAR block_size) or the family must be forced
-_AR_BACKBONES = ("qwen2", "qwen3")
-_DIFFUSION_KEYS = ("bd_size", "block_size", "mask_token_id", "family")
-_DIFFUSION_NAMES = ("dllm", "sdar", "dream", "llada", "diffusion")
-
 
 class ConfigError(ValueError):
-    """A config.json that this library cannot run (unknown model_type, bad field)."""
+    """A model config this library cannot run (unknown model_type or family, bad field)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,145 +113,6 @@ class ModelConfig:
 
     def replace(self, **kw) -> "ModelConfig":
         return dataclasses.replace(self, **kw)
-
-    # ------------------------------------------------------------------ HF config reading
-    @classmethod
-    def from_hf(cls, hf: dict[str, Any], family: Optional[str] = None, **overrides) -> "ModelConfig":
-        """Build from a Hugging Face `config.json` dict of any supported family.
-
-        family: force the family (its defaults) instead of the one the config implies; needed
-        for a qwen2 / qwen3 config without a block-diffusion marker, which is otherwise refused
-        as a plain autoregressive model."""
-        mt = str(hf.get("model_type", "")).lower()
-        if mt not in _MODEL_TYPES:
-            raise ConfigError(
-                f"unknown model_type {hf.get('model_type')!r}; supported: {sorted(_MODEL_TYPES)}")
-        implied, layout = _MODEL_TYPES[mt]
-        family = family or hf.get("family")  # our own testbed configs name the family explicitly
-        if family is None:
-            family = implied
-            if mt in _AR_BACKBONES and not _has_diffusion_marker(hf):
-                arch = ", ".join(map(str, hf.get("architectures") or [])) or f"model_type {mt}"
-                raise ConfigError(
-                    f"{arch} is a plain autoregressive model, not a diffusion LM (no {'/'.join(_DIFFUSION_KEYS)} "
-                    f"field, no diffusion architecture name); if it really is a {family} checkpoint, force the "
-                    f"family: load_pretrained(path, family={family!r}) or --family {family}")
-        if family not in FAMILY_DEFAULTS:
-            raise ConfigError(f"unknown family {family!r}; supported: {sorted(FAMILY_DEFAULTS)}")
-        if layout == "llada":
-            return cls._from_llada(hf, family, overrides)
-        g = hf.get
-        hidden = g("hidden_size")
-        heads = g("num_attention_heads")
-        if hidden is None or heads is None:
-            raise ConfigError("config.json lacks hidden_size / num_attention_heads")
-        head_dim = g("head_dim") or hidden // heads
-        if family == "dream" and (g("use_qk_norm") or layout == "qwen3"):
-            family = "dream_reasoner"
-        qk_norm = layout in ("qwen3", "llada2") and g("use_qk_norm", True)
-        if family == "dream_reasoner" and layout == "qwen2":
-            layout, qk_norm = "qwen3", True
-        rotary = 0
-        if layout == "llada2":
-            rotary = int(head_dim * float(g("partial_rotary_factor", 1.0)))
-            rotary = 0 if rotary == head_dim else rotary
-        kw = dict(
-            family=family,
-            layout=layout,
-            vocab_size=g("vocab_size"),
-            hidden_size=hidden,
-            num_layers=g("num_hidden_layers"),
-            num_heads=heads,
-            num_kv_heads=g("num_key_value_heads") or heads,
-            head_dim=head_dim,
-            intermediate_size=g("intermediate_size"),
-            rms_eps=float(g("rms_norm_eps", 1e-6)),
-            rope_theta=float(g("rope_theta", (g("rope_parameters") or {}).get("rope_theta", 10000.0))),
-            rotary_dim=rotary,
-            qkv_bias=bool(g("use_qkv_bias", layout == "qwen2")) if layout == "llada2" else layout == "qwen2",
-            qk_norm=bool(qk_norm),
-            tie_embeddings=bool(g("tie_word_embeddings", False)),
-            max_position_embeddings=int(g("max_position_embeddings", 32768)),
-        )
-        if layout == "llada2":
-            kw.update(
-                num_experts=int(g("num_experts", 0)),
-                num_experts_per_tok=int(g("num_experts_per_tok", 0)),
-                moe_intermediate_size=int(g("moe_intermediate_size", 0)),
-                num_shared_experts=int(g("num_shared_experts", 0) or 0),
-                first_k_dense_replace=int(g("first_k_dense_replace", 0)),
-                n_group=int(g("n_group", 1) or 1),
-                topk_group=int(g("topk_group", 1) or 1),
-                routed_scaling_factor=float(g("routed_scaling_factor", 1.0)),
-                norm_topk_prob=bool(g("norm_topk_prob", True)),
-            )
-        return cls._with_family_defaults(kw, hf, overrides)
-
-    @classmethod
-    def _from_llada(cls, hf, family, overrides):
-        g = hf.get
-        if g("block_type", "llama") != "llama":
-            raise ConfigError(f"LLaDA block_type {g('block_type')!r} is not supported (only 'llama')")
-        d = g("d_model") or g("hidden_size")
-        heads = g("n_heads") or g("num_attention_heads")
-        kw = dict(
-            family=family,
-            layout="llada",
-            vocab_size=g("embedding_size") or g("vocab_size"),
-            hidden_size=d,
-            num_layers=g("n_layers") or g("num_hidden_layers"),
-            num_heads=heads,
-            num_kv_heads=g("n_kv_heads") or g("num_key_value_heads") or heads,
-            head_dim=d // heads,
-            intermediate_size=g("mlp_hidden_size") or g("intermediate_size"),
-            rms_eps=float(g("rms_norm_eps", g("layer_norm_eps", 1e-5))),
-            rope_theta=float(g("rope_theta", 10000.0)),
-            qkv_bias=bool(g("include_qkv_bias", False)),
-            tie_embeddings=bool(g("weight_tying", g("tie_word_embeddings", False))),
-            max_position_embeddings=int(g("max_sequence_length", g("max_position_embeddings", 4096))),
-        )
-        return cls._with_family_defaults(kw, hf, overrides)
-
-    @classmethod
-    def _with_family_defaults(cls, kw, hf, overrides):
-        attn, shift, rule, mask_id, eos, thr = FAMILY_DEFAULTS[kw["family"]]
-        eos_hf = hf.get("eos_token_id")
-        if isinstance(eos_hf, int):
-            eos = (eos_hf,)
-        elif isinstance(eos_hf, (list, tuple)) and eos_hf:
-            eos = tuple(int(e) for e in eos_hf)
-        kw.update(
-            attention=hf.get("attention", attn),
-            logits_shift=bool(hf.get("logits_shift", shift)),
-            commit_rule=hf.get("commit_rule", rule),
-            threshold=float(hf.get("threshold", thr)),
-            mask_token_id=int(hf.get("mask_token_id", mask_id)),
-            eos_token_ids=eos,
-            pad_token_id=int(hf.get("pad_token_id") if hf.get("pad_token_id") is not None else eos[0]),
-            block_size=int(hf.get("bd_size", hf.get("block_size", hf.get("block_length", 32)) or 32)),
-        )
-        kw.update(overrides)
-        if kw.get("eos_token_ids") is not None:
-            kw["eos_token_ids"] = tuple(kw["eos_token_ids"])
-        return cls(**kw)
-
-    @classmethod
-    def from_file(cls, path: str, family: Optional[str] = None, **overrides) -> "ModelConfig":
-        """Read `config.json` (or a folder holding one)."""
-        if os.path.isdir(path):
-            path = os.path.join(path, "config.json")
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"no config.json at {path}")
-        with open(path) as f:
-            return cls.from_hf(json.load(f), family=family, **overrides)
-
-
-def _has_diffusion_marker(hf: dict[str, Any]) -> bool:
-    """Whether a config.json says it is a block-diffusion LM (a field, or an architecture name)."""
-    if any(k in hf for k in _DIFFUSION_KEYS):
-        return True
-    names = [str(n) for n in hf.get("architectures") or []] + [str(v) for v in (hf.get("auto_map") or {}).values()]
-    return any(d in n.lower() for n in names for d in _DIFFUSION_NAMES)
 
 
 COMMIT_RULES = ("fast_dllm", "dynamic", "dream_reasoner", "llada")

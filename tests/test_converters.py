@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 import hf_fixtures as hf  # noqa: E402
 import maskahead_jax as mj  # noqa: E402
 from converters import CheckpointError, build_plan, cli_convert, is_converted, open_tensors  # noqa: E402
-from maskahead_jax.config import ModelConfig  # noqa: E402
+from converters.hf_config import model_config_from_hf  # noqa: E402
 from maskahead_jax.model import param_shapes  # noqa: E402
 
 # ------------------------------------------------------------------ key maps (no weights needed)
@@ -38,7 +38,7 @@ LLADA2_MINI = {"model_type": "llada2_moe", "hidden_size": 2048, "num_hidden_laye
 
 
 def _hf_shapes(hf_cfg: dict) -> dict:
-    plan, _ = build_plan(ModelConfig.from_hf(hf_cfg))
+    plan, _ = build_plan(model_config_from_hf(hf_cfg))
     return {k: e.hf_shape for k, e in plan.items()}
 
 
@@ -69,7 +69,7 @@ def test_plan_llada_8b():
 
 
 def test_plan_llada2_mini_covers_every_slot_once():
-    cfg = ModelConfig.from_hf(LLADA2_MINI)
+    cfg = model_config_from_hf(LLADA2_MINI)
     plan, _ = build_plan(cfg)
     s = {k: e.hf_shape for k, e in plan.items()}
     assert len(s) == 3 + 9 + 19 * (6 + 2 + 256 * 3 + 3)
@@ -97,9 +97,9 @@ def test_fused_qkv_split_by_heads():
     """LLaDA2's fused rows are [Q heads | K heads | V heads], each head Dh rows."""
     from converters.keymaps import convert_tensor
 
-    cfg = ModelConfig.from_hf({**LLADA2_MINI, "hidden_size": 6, "num_attention_heads": 2,
-                               "num_key_value_heads": 1, "head_dim": 4, "num_hidden_layers": 1,
-                               "num_experts": 0, "use_qkv_bias": True})
+    cfg = model_config_from_hf({**LLADA2_MINI, "hidden_size": 6, "num_attention_heads": 2,
+                                "num_key_value_heads": 1, "head_dim": 4, "num_hidden_layers": 1,
+                                "num_experts": 0, "use_qkv_bias": True})
     plan, _ = build_plan(cfg)
     bq, bk, bv = convert_tensor(plan["model.layers.0.attention.query_key_value.bias"], np.arange(16.0))
     assert (bq.shape, bk.shape, bv.shape) == ((2, 4), (1, 4), (1, 4))
@@ -416,9 +416,9 @@ QWEN25_7B_INSTRUCT = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen
 @pytest.mark.parametrize("mask_id", [152064, 200000, -1])
 def test_mask_token_id_outside_vocab_is_an_error(mask_id):
     with pytest.raises(ValueError, match=rf"mask_token_id={mask_id} .*vocab_size=152064"):
-        ModelConfig.from_hf({**FAST_DLLM_7B, "mask_token_id": mask_id})
+        model_config_from_hf({**FAST_DLLM_7B, "mask_token_id": mask_id})
     with pytest.raises(ValueError, match="mask_token_id"):
-        ModelConfig.from_hf(FAST_DLLM_7B).replace(mask_token_id=mask_id)
+        model_config_from_hf(FAST_DLLM_7B).replace(mask_token_id=mask_id)
 
 
 def test_mask_token_id_outside_vocab_in_hf_and_converted_folders(tmp_path, good):
@@ -439,19 +439,19 @@ def test_mask_token_id_outside_vocab_in_hf_and_converted_folders(tmp_path, good)
 def test_plain_autoregressive_config_is_refused_unless_a_family_is_forced():
     with pytest.raises(ValueError, match=r"Qwen2ForCausalLM is a plain autoregressive model, not a diffusion "
                                          r"LM.*family='fast_dllm_v2'.*--family fast_dllm_v2"):
-        ModelConfig.from_hf(QWEN25_7B_INSTRUCT)
+        model_config_from_hf(QWEN25_7B_INSTRUCT)
     qwen3 = {**SDAR_8B, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}
     with pytest.raises(ValueError, match=r"Qwen3ForCausalLM is a plain autoregressive.*--family sdar"):
-        ModelConfig.from_hf(qwen3)
-    forced = ModelConfig.from_hf(QWEN25_7B_INSTRUCT, family="fast_dllm_v2")
+        model_config_from_hf(qwen3)
+    forced = model_config_from_hf(QWEN25_7B_INSTRUCT, family="fast_dllm_v2")
     assert (forced.family, forced.logits_shift, forced.mask_token_id) == ("fast_dllm_v2", True, 151665)
-    assert ModelConfig.from_hf(qwen3, family="sdar").family == "sdar"
+    assert model_config_from_hf(qwen3, family="sdar").family == "sdar"
     with pytest.raises(ValueError, match="unknown family 'gpt'"):
-        ModelConfig.from_hf(QWEN25_7B_INSTRUCT, family="gpt")
+        model_config_from_hf(QWEN25_7B_INSTRUCT, family="gpt")
     # what the real diffusion checkpoints carry: Fast-dLLM v2's architecture name / bd_size, SDAR's block_size
     for marker in ({"architectures": ["Fast_dLLM_QwenForCausalLM"]}, {"bd_size": 32}, {"mask_token_id": 151665}):
-        assert ModelConfig.from_hf({**QWEN25_7B_INSTRUCT, **marker}).family == "fast_dllm_v2"
-    assert ModelConfig.from_hf({**qwen3, "block_size": 4}).family == "sdar"
+        assert model_config_from_hf({**QWEN25_7B_INSTRUCT, **marker}).family == "fast_dllm_v2"
+    assert model_config_from_hf({**qwen3, "block_size": 4}).family == "sdar"
 
 
 def test_plain_qwen2_folder_refused_then_forced(tmp_path, capsys):

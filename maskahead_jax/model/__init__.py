@@ -1,4 +1,5 @@
-"""The transformer as pure functions over a params pytree."""
+"""The transformer as pure functions over a params pytree, and `Model` (config + params)."""
+from .container import Model
 from .decoder import (Context, Segment, StepOutput, block_causal_mask, embed, forward_hidden,
                       forward_logits, full_mask, lm_head, model_step, run_layers)
 from .init import init_params, param_shapes
