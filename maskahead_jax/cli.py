@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 from typing import Optional, Sequence
 
@@ -19,9 +20,53 @@ from .config import FAMILY_DEFAULTS
 
 TESTBED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "testbed")
 
+# One exit-status convention for every subcommand (docs/evaluation.md, `maskahead --help`).
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_STATUS = """\
+exit status (every subcommand):
+  0    ok
+  1    a run failed (an eval run / profile case errored mid-way: the others' results are kept,
+       the error is in summary.json / the JSON); also an I/O error such as a full disk
+  2    bad input or usage: one line `maskahead <cmd>: error: <message>` on stderr, checked before
+       any model is loaded or any forward runs (options, policies, knobs, --out, model folder, data)
+  130  interrupted (Ctrl-C); an interrupted eval resumes when the same command is rerun
+MASKAHEAD_TRACEBACK=1 shows the full traceback instead of the one-line error."""
+
 
 class CLIError(Exception):
     pass
+
+
+# ----------------------------------------------------------------------------- argument types
+def _int_at_least(lo: int):
+    def parse(text):
+        try:
+            v = int(text)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be {'positive' if lo == 1 else f'>= {lo}'}, got {v}")
+        return v
+    return parse
+
+
+def _float_in(lo: float, hi: Optional[float], what: str):
+    """A float in (lo, hi] (hi None: > lo)."""
+    def parse(text):
+        try:
+            v = float(text)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not (lo < v and (hi is None or v <= hi)):  # NaN fails too
+            raise argparse.ArgumentTypeError(f"{what}, got {text}")
+        return v
+    return parse
+
+
+_pos_int = _int_at_least(1)
+_threshold = _float_in(0.0, 1.0, "a commit threshold in (0, 1]")
+_capacity = _float_in(0.0, 100.0, "a percentage in (0, 100]")
+_pos_float = _float_in(0.0, None, "must be positive")
 
 
 def _csv(text, typ=str) -> list:
@@ -31,13 +76,149 @@ def _csv(text, typ=str) -> list:
         raise CLIError(f"cannot parse {text!r} as a comma-separated list of {typ.__name__}") from None
 
 
-def _load(path: Optional[str], dtype: Optional[str] = None, family: Optional[str] = None):
-    from .api import load_pretrained
+def _pos_ints(text, flag: str) -> list:
+    vals = _csv(text, int)
+    if not vals or any(v <= 0 for v in vals):
+        raise CLIError(f"{flag} {text}: expected positive integers, comma-separated")
+    return vals
 
+
+def _depths(text) -> list:
+    vals = _csv(text, float)
+    bad = [d for d in vals if not 0.0 <= d <= 1.0]
+    if not vals or bad:
+        raise CLIError(f"--depths {text}: depths are fractions of the context in [0, 1]"
+                       + (f" ({', '.join(f'{d:g}' for d in bad)} is not)" if bad else ""))
+    return vals
+
+
+# ----------------------------------------------------------------------------- output paths
+def _nearest_existing(path: str) -> str:
+    p = os.path.abspath(path)
+    while not os.path.lexists(p):
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    return p
+
+
+def _writable_folder(folder: str, what: str) -> None:
+    """CLIError unless `folder` (which exists) is a folder we can create files in."""
+    if not os.path.isdir(folder):
+        raise CLIError(f"{what}: {folder} is a file, not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise CLIError(f"{what}: {folder} is not writable")
+    try:  # read-only file systems, and root (whom os.access always lets through)
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".maskahead-write-test-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise CLIError(f"{what}: cannot write in {folder} ({e.strerror or e})") from None
+
+
+def _can_create_in(folder: str, what: str) -> None:
+    """CLIError unless files can be created in `folder`: a writable folder, or a path whose
+    nearest existing parent is one (the folder is created later). Nothing is created here."""
+    if os.path.exists(folder):
+        if not os.path.isdir(folder):
+            raise CLIError(f"{what}: {folder} is a file, not a folder")
+        _writable_folder(folder, what)
+    else:
+        anc = _nearest_existing(folder)
+        if not os.path.isdir(anc):
+            raise CLIError(f"{what} cannot be created: {anc} is a file, not a folder")
+        _writable_folder(anc, f"{what} cannot be created")
+
+
+def check_out_dir(path: str, flag: str = "--out") -> None:
+    """An output folder: an existing writable folder, or a path where one can be created."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise CLIError(f"{flag} {path} is a file; expected a folder")
+    _can_create_in(path, f"{flag} {path}")
+
+
+def check_out_file(path: str, flag: str = "--out") -> None:
+    """An output file: not a folder, in a folder that is writable or can be created."""
+    if path.endswith(("/", os.sep)) or os.path.isdir(path):
+        raise CLIError(f"{flag} {path} is a folder; expected a file path, e.g. "
+                       f"{os.path.join(path, 'profile.json')}")
+    _can_create_in(os.path.dirname(os.path.abspath(path)), f"{flag} {path}")
+
+
+# ----------------------------------------------------------------------------- errors
+def _one_line(text: str, limit: int = 500) -> str:
+    lines = [x.strip() for x in str(text).splitlines() if x.strip()]
+    first = lines[0] if lines else ""
+    if len(first) > limit:
+        first = first[:limit] + " ..."
+    return first
+
+
+_PLAIN = (ValueError, OSError, FileNotFoundError, PermissionError, NotADirectoryError, IsADirectoryError)
+
+
+def describe_error(e: BaseException) -> str:
+    """One line for an error: this project's own errors by their message (written to be read);
+    a foreign one (orbax, tensorstore, json, ...) by its root cause; the type is named unless it
+    is one whose message reads on its own (ValueError, OSError and the like)."""
+    if isinstance(e, CLIError) or type(e).__module__.split(".")[0] in ("maskahead_jax", "converters"):
+        return _one_line(str(e)) or type(e).__name__
+    seen = {id(e)}
+    while True:
+        nxt = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
+        if nxt is None or id(nxt) in seen:
+            break
+        seen.add(id(nxt))
+        e = nxt
+    text = _one_line(str(e))
+    if text and type(e) in _PLAIN:
+        return text
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+# ----------------------------------------------------------------------------- model, policies
+def _model_path(path: Optional[str]) -> str:
     path = path or TESTBED
     if not os.path.isdir(path):
         raise CLIError(f"model folder not found: {path}")
-    return load_pretrained(path, dtype=dtype, family=family), path
+    return path
+
+
+def _null_fields(path: str) -> str:
+    """' (config.json has null hidden_size, ...)' when the folder's config.json has null fields."""
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            hf = json.load(f)
+        nulls = [k for k, v in hf.items() if v is None] if isinstance(hf, dict) else []
+    except (OSError, ValueError):
+        return ""
+    return f" (config.json has null {', '.join(nulls)})" if nulls else ""
+
+
+def _cannot_load(path: str, e: Exception) -> CLIError:
+    return CLIError(f"cannot load {path}: {describe_error(e)}{_null_fields(path)}")
+
+
+def _model_config(path: Optional[str], family: Optional[str] = None):
+    """The ModelConfig of a model folder, read without its weights (checked before the load)."""
+    from converters.load import read_config
+
+    path = _model_path(path)
+    try:
+        return read_config(path, family)
+    except Exception as e:
+        raise _cannot_load(path, e) from e
+
+
+def _load(path: Optional[str], dtype: Optional[str] = None, family: Optional[str] = None):
+    from .api import load_pretrained
+
+    path = _model_path(path)
+    try:
+        return load_pretrained(path, dtype=dtype, family=family), path
+    except Exception as e:  # a corrupt orbax folder, a bad maskahead.json, a null config field ...
+        raise _cannot_load(path, e) from e
 
 
 def _gen(args, max_new: int = 64):
@@ -49,7 +230,7 @@ def _gen(args, max_new: int = 64):
 
 
 def _kw(text) -> dict:
-    """'capacity_floor=128,topk_floor=32' -> {'capacity_floor': 128, 'topk_floor': 32}."""
+    """'capacity_floor=128,snapkv:window=16' -> {'capacity_floor': 128, 'snapkv:window': 16}."""
     from .evaluation.policies import parse_policy_kw
 
     try:
@@ -58,10 +239,34 @@ def _kw(text) -> dict:
         raise CLIError(str(e)) from None
 
 
-def _factory(kw: dict):
-    from .evaluation.policies import make_policy
+def _policies(cfg, gen, policies: Sequence[str], capacities, kw: dict, max_new: Optional[int] = None):
+    """Build and validate every (policy, capacity) against the model config before anything is
+    loaded or run; returns (factory(name, capacity), {(name, capacity): policy}). PolicyError:
+    unknown name, knob or knob type, a budget out of range, inconsistent settings."""
+    from .evaluation.policies import make_policy, policy_key, resolve_policy_kw
+    from .evaluation.sweep import build_policies
 
-    return lambda name, cap: make_policy(name, cap, **({} if name == "dense" else kw))
+    if not policies:
+        raise CLIError("no policies given")
+    per = resolve_policy_kw(policies, kw)
+
+    def factory(name, cap):
+        return make_policy(name, cap, **per[policy_key(name)])
+
+    return factory, build_policies(cfg, gen, policies, capacities, factory, max_new)
+
+
+# ----------------------------------------------------------------------------- parser
+POLICY_KW_HELP = ("policy knobs: key=value applies to every policy of the run that has the knob (an error if "
+                  "none has it); name:key=value to that policy only, e.g. "
+                  "maskahead:capacity_floor=128,snapkv:window=16,topk_floor=32")
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line (`maskahead eval: error: argument --threshold: ...`), exit 2."""
+
+    def error(self, message):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see `{self.prog} -h`)\n")
 
 
 def _add_model(p, default_testbed=True):
@@ -74,10 +279,9 @@ def _add_model(p, default_testbed=True):
                         "qwen2 / qwen3 config is refused without it)")
     p.add_argument("--preset", default=None,
                    help="decoding preset: fast-dllm-v2, dream-reasoner, sdar, llada2-mini, llada, dream, testbed")
-    p.add_argument("--threshold", type=float, default=None, help="override the commit threshold")
-    p.add_argument("--block-size", type=int, default=None)
-    p.add_argument("--policy-kw", default=None,
-                   help="policy knobs passed to policies.make, e.g. capacity_floor=128,topk_floor=32")
+    p.add_argument("--threshold", type=_threshold, default=None, help="override the commit threshold, in (0, 1]")
+    p.add_argument("--block-size", type=_pos_int, default=None)
+    p.add_argument("--policy-kw", default=None, help=POLICY_KW_HELP)
 
 
 def _add_mesh(parser) -> None:
@@ -93,7 +297,7 @@ def _init_mesh(args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="maskahead", description=__doc__,
+    ap = _Parser(prog="maskahead", description=__doc__, epilog=EXIT_STATUS,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("convert", add_help=False, help="HF checkpoint -> orbax folder (see `maskahead convert -h`)")
@@ -105,8 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--ids", help="prompt token ids, comma-separated")
     g.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
     g.add_argument("--policy", default="dense")
-    g.add_argument("--capacity", type=float, default=10.0, help="KV capacity, %% of tokens seen")
-    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--capacity", type=_capacity, default=10.0, help="KV capacity, %% of tokens seen")
+    g.add_argument("--max-new-tokens", type=_pos_int, default=32)
     _add_mesh(g)
 
     e = sub.add_parser("eval", help="policies x budgets sweep")
@@ -114,26 +318,27 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--policies", default="dense,maskahead")
     e.add_argument("--capacity", default="10", help="comma-separated %% budgets, e.g. 5,10,20")
     e.add_argument("--out", required=True, help="output folder (results.jsonl, summary.md/json, *.png)")
-    e.add_argument("--batch-size", type=int, default=8)
+    e.add_argument("--batch-size", type=_pos_int, default=8)
     e.add_argument("--bucket", default="auto",
                    help="prompt-length bucket quantum in tokens, or auto (<= 12.5%% padding)")
-    e.add_argument("--max-new-tokens", type=int, default=None, help="override the per-dataset lengths")
+    e.add_argument("--max-new-tokens", type=_pos_int, default=None, help="override the per-dataset lengths")
     e.add_argument("--suite", action="store_true", help="the testbed task suite")
     e.add_argument("--tasks", default="passkey,multikey,twohop,docqa,longanswer")
     e.add_argument("--lengths", default="512,1024", help="suite / needle context lengths (tokens)")
-    e.add_argument("--depths", default="0,0.25,0.5,0.75,1")
-    e.add_argument("--n", type=int, default=2, help="examples per (task, length, depth) cell")
+    e.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths, fractions in [0, 1]")
+    e.add_argument("--n", type=_pos_int, default=2, help="examples per (task, length, depth) cell")
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--needle", action="store_true", help="needle grid (length x depth)")
     e.add_argument("--needle-task", default="passkey", choices=["passkey", "twohop"])
-    e.add_argument("--longbench", default=None, help="LongBench JSONL files or folders, comma-separated")
-    e.add_argument("--longbench-datasets", default=None, help="keep only these datasets")
-    e.add_argument("--max-length", type=int, default=None,
+    e.add_argument("--longbench", default=None,
+                   help="LongBench v1 JSONL files or folders, LongBench v2 data.json, comma-separated")
+    e.add_argument("--longbench-datasets", default=None, help="keep only these datasets (v2: longbench_v2)")
+    e.add_argument("--max-length", type=_pos_int, default=None,
                    help="LongBench middle-truncation length (default: model positions - max new - 2 blocks)")
     e.add_argument("--no-chat", action="store_true", help="never apply the chat template")
     e.add_argument("--math", action="append", default=[], help="GSM8K / MATH-500 JSONL (repeatable)")
-    e.add_argument("--math-max-new-tokens", type=int, default=2048)
-    e.add_argument("--limit", type=int, default=None, help="examples per LongBench / math file")
+    e.add_argument("--math-max-new-tokens", type=_pos_int, default=2048)
+    e.add_argument("--limit", type=_pos_int, default=None, help="examples per LongBench / math file")
     e.add_argument("--strict", action="store_true", help="stop at the first failing policy")
     _add_mesh(e)
     e.add_argument("--no-plots", action="store_true")
@@ -142,58 +347,77 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("profile", help="systems profile (prefill / decode / e2e, peak KV, serving capacity)")
     _add_model(p)
     p.add_argument("--shape", default=None, help="random-weight real-model shape: fast-dllm-v2-7b, sdar-8b, llada2-mini")
-    p.add_argument("--layers", type=int, default=None, help="with --shape: use fewer layers (smoke runs)")
-    p.add_argument("--prompt-len", type=int, default=1024)
-    p.add_argument("--out-len", type=int, default=256)
+    p.add_argument("--layers", type=_pos_int, default=None, help="with --shape: use fewer layers (smoke runs)")
+    p.add_argument("--prompt-len", type=_pos_int, default=1024)
+    p.add_argument("--out-len", type=_pos_int, default=256)
     p.add_argument("--batch", default="1", help="batch sizes, comma-separated")
     p.add_argument("--policies", default="dense,maskahead,q-maskahead")
-    p.add_argument("--capacity", type=float, default=10.0)
-    p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--kv-budget-gb", type=float, default=40.0, help="KV memory budget for serving capacity")
+    p.add_argument("--capacity", type=_capacity, default=10.0)
+    p.add_argument("--repeats", type=_pos_int, default=1)
+    p.add_argument("--kv-budget-gb", type=_pos_float, default=40.0, help="KV memory budget for serving capacity")
     _add_mesh(p)
-    p.add_argument("--max-positions", type=int, default=None,
+    p.add_argument("--max-positions", type=_pos_int, default=None,
                    help="override the model's max_position_embeddings (timing runs beyond the trained range)")
-    p.add_argument("--out", default=None, help="also write the JSON here")
+    p.add_argument("--out", default=None, help="also write the JSON to this file (atomically)")
 
     d = sub.add_parser("demo", help="testbed needle prompts: dense vs MaskAhead side by side")
     d.add_argument("--tasks", default="passkey,multikey",
                    help="testbed tasks to draw the prompts from (one per depth each), comma-separated")
-    d.add_argument("--length", type=int, default=512)
-    d.add_argument("--depths", default="0.25,0.75")
-    d.add_argument("--capacity", type=float, default=10.0)
+    d.add_argument("--length", type=_pos_int, default=512)
+    d.add_argument("--depths", default="0.25,0.75", help="needle depths, fractions in [0, 1]")
+    d.add_argument("--capacity", type=_capacity, default=10.0)
     d.add_argument("--policy", default="maskahead",
                    help="the policies to compare with dense, comma-separated (e.g. maskahead,q-maskahead)")
     d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--policy-kw", default="capacity_floor=128,topk_floor=32",
-                   help="knobs for the compared policy (the paper's floors, 512 / 256, exceed the "
-                        "testbed's short prompts); falls back to the policy defaults if rejected")
+    d.add_argument("--policy-kw", default=None,
+                   help=POLICY_KW_HELP + f". Default: {DEMO_KW} where a policy has the knob (the paper's "
+                        "floors, 512 / 256, exceed the testbed's short prompts)")
     return ap
+
+
+DEMO_KW = "capacity_floor=128,topk_floor=32"
 
 
 # ----------------------------------------------------------------------------- commands
 def cmd_generate(args) -> int:
     from .evaluation.datasets import load_tokenizer
-    from .evaluation.policies import make_policy
+    from .evaluation.policies import takes_budget
     from .generate import generate
 
-    _init_mesh(args)
-    model, path = _load(args.model, args.dtype, args.family)
-    tok = load_tokenizer(path)
+    _init_mesh(args)  # before anything touches a JAX backend (multi-process runs)
+    path = _model_path(args.model)
+    ids = None
     if args.ids is not None:
         ids = _csv(args.ids, int)
         if not ids:
             raise CLIError("--ids is empty")
-    else:
+    kw = _kw(args.policy_kw)
+    cfg = _model_config(path, args.family)
+    gen = _gen(args, args.max_new_tokens)
+    cap = args.capacity if takes_budget(args.policy) else None
+    _, built = _policies(cfg, gen, [args.policy], [cap], kw, args.max_new_tokens)
+    (policy,) = built.values()
+    tok = load_tokenizer(path)
+    if ids is None:
         ids = tok.encode_prompt(args.prompt, chat=args.chat)
-    policy = _factory(_kw(args.policy_kw))(args.policy, args.capacity)
-    out = generate(model, [ids], _gen(args, args.max_new_tokens), policy, mesh=args.mesh or None)
+    model, path = _load(path, args.dtype, args.family)
+    out = generate(model, [ids], gen, policy, mesh=args.mesh or None)
     st = out.stats
     print(json.dumps(dict(
         text=tok.decode(out.tokens[0]), tokens=out.tokens[0], policy=args.policy,
-        capacity=None if args.policy == "dense" else args.capacity, prompt_tokens=len(ids),
+        capacity=cap, prompt_tokens=len(ids),
         nfe=st["nfe"][0], reduction_final=st["reduction_final"][0], reduction_peak=st["reduction_peak"][0],
         kv_bytes_peak=st["kv_bytes_peak"][0], wall_s=st["wall_s"]), indent=1))
-    return 0
+    return EXIT_OK
+
+
+def _rows_saved(out_dir: str) -> int:
+    from .evaluation.sweep import load_rows
+
+    try:
+        return len(load_rows(os.path.join(out_dir, "results.jsonl"), repair=False))
+    except (OSError, ValueError):
+        return 0
 
 
 def cmd_eval(args) -> int:
@@ -201,27 +425,39 @@ def cmd_eval(args) -> int:
     from .evaluation.policies import parse_capacities
     from .evaluation.sweep import run_sweep
 
-    model, path = _load(args.model, args.dtype, args.family)
+    # everything that can be refused is checked before the model's weights are loaded
+    check_out_dir(args.out)
+    _init_mesh(args)  # before anything touches a JAX backend (multi-process runs)
+    if not (args.suite or args.needle or args.longbench or args.math):
+        raise CLIError("no examples: pass --suite, --needle, --longbench PATHS and/or --math FILE")
+    lengths = _pos_ints(args.lengths, "--lengths") if args.suite or args.needle else []
+    depths = _depths(args.depths) if args.suite or args.needle else []
+    bucket = args.bucket if args.bucket == "auto" else _pos_ints(args.bucket, "--bucket")[0]
+    policies = _csv(args.policies)
+    caps = parse_capacities(args.capacity)
+    kw = _kw(args.policy_kw)
+    path = _model_path(args.model)
+    cfg = _model_config(path, args.family)
+    gen = _gen(args)
+    factory, _ = _policies(cfg, gen, policies, caps, kw, args.max_new_tokens)
+
     tok = D.load_tokenizer(path)
     exs = []
-    if args.suite:
-        exs += D.testbed_suite(_csv(args.tasks), _csv(args.lengths, int), _csv(args.depths, float),
-                               n_per_cell=args.n, seed=args.seed, tokenizer=tok)
-    if args.needle:
-        exs += D.needle_grid(_csv(args.lengths, int), _csv(args.depths, float), n_per_cell=args.n,
-                             seed=args.seed, task=args.needle_task, tokenizer=tok)
-    gen = _gen(args)
     # the dataset options of the run fingerprint (with the model and generation settings: run.json)
     dataset = {}
     if args.suite:
-        dataset["suite"] = dict(tasks=_csv(args.tasks), lengths=_csv(args.lengths, int),
-                                depths=_csv(args.depths, float), n=args.n, seed=args.seed)
+        exs += D.testbed_suite(_csv(args.tasks), lengths, depths, n_per_cell=args.n, seed=args.seed, tokenizer=tok)
+        dataset["suite"] = dict(tasks=_csv(args.tasks), lengths=lengths, depths=depths, n=args.n, seed=args.seed)
     if args.needle:
-        dataset["needle"] = dict(task=args.needle_task, lengths=_csv(args.lengths, int),
-                                 depths=_csv(args.depths, float), n=args.n, seed=args.seed)
+        exs += D.needle_grid(lengths, depths, n_per_cell=args.n, seed=args.seed, task=args.needle_task,
+                             tokenizer=tok)
+        dataset["needle"] = dict(task=args.needle_task, lengths=lengths, depths=depths, n=args.n, seed=args.seed)
     if args.longbench:
-        bs = gen.block_size or model.config.block_size
-        max_len = args.max_length or (model.config.max_position_embeddings - 512 - 2 * bs)
+        bs = gen.block_size or cfg.block_size
+        max_len = args.max_length or (cfg.max_position_embeddings - 512 - 2 * bs)
+        if max_len <= 0:
+            raise CLIError(f"the model's {cfg.max_position_embeddings} positions leave no room for a LongBench "
+                           f"prompt; pass --max-length")
         ds = _csv(args.longbench_datasets) if args.longbench_datasets else None
         exs += D.load_longbench(args.longbench, tok, max_len, datasets=ds, limit=args.limit,
                                 chat=False if args.no_chat else None)
@@ -234,86 +470,124 @@ def cmd_eval(args) -> int:
         dataset["math"] = dict(paths=[os.path.abspath(x) for x in args.math], limit=args.limit,
                                max_new_tokens=args.math_max_new_tokens, no_chat=args.no_chat)
     if not exs:
-        raise CLIError("no examples: pass --suite, --needle, --longbench PATHS and/or --math FILE")
-    policies = _csv(args.policies)
-    caps = parse_capacities(args.capacity)
+        raise CLIError("no examples: the data files given hold none (or --longbench-datasets kept none)")
+
+    model, path = _load(path, args.dtype, args.family)
     print(f"[eval] {len(exs)} examples x {len(policies)} policies x {len(caps)} capacities -> {args.out}",
           file=sys.stderr)
-    res = run_sweep(model, exs, policies, caps, args.out, tok, gen=gen, batch_size=args.batch_size,
-                    max_new_tokens=args.max_new_tokens, progress=not args.no_progress, strict=args.strict,
-                    plots=not args.no_plots, policy_factory=_factory(_kw(args.policy_kw)),
-                    bucket=args.bucket if args.bucket == "auto" else _csv(args.bucket, int)[0],
-                    meta=dict(model=path, preset=args.preset, argv=sys.argv[1:]), mesh=args.mesh,
-                    model_path=os.path.realpath(path), dataset=dataset)
-    print(open(res.paths["summary_md"]).read())
+    try:
+        res = run_sweep(model, exs, policies, caps, args.out, tok, gen=gen, batch_size=args.batch_size,
+                        max_new_tokens=args.max_new_tokens, progress=not args.no_progress, strict=args.strict,
+                        plots=not args.no_plots, policy_factory=factory, bucket=bucket,
+                        meta=dict(model=path, preset=args.preset, argv=sys.argv[1:]), mesh=args.mesh,
+                        model_path=os.path.realpath(path), dataset=dataset)
+    except KeyboardInterrupt:
+        results = os.path.join(args.out, "results.jsonl")
+        print(f"\nmaskahead eval: interrupted; {_rows_saved(args.out)} rows saved in {results}, rerun the "
+              f"same command to resume", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    with open(res.paths["summary_md"], encoding="utf-8") as f:
+        print(f.read())
     print(json.dumps({k: v for k, v in res.paths.items()}, indent=1))
-    return 1 if res.errors and args.strict else 0
+    if res.errors:
+        from .evaluation.sweep import cap_label
+
+        for err in res.errors:
+            print(f"maskahead eval: run {err['policy']}@{cap_label(err['capacity'])} failed: "
+                  f"{_one_line(err['error'])}", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK
 
 
 def cmd_profile(args) -> int:
     from . import profile as PR
 
-    _init_mesh(args)
+    if args.out:
+        check_out_file(args.out)
+    _init_mesh(args)  # before anything touches a JAX backend (multi-process runs)
+    batches = _pos_ints(args.batch, "--batch")
+    policies = _csv(args.policies)
+    kw = _kw(args.policy_kw)
     if args.shape:
         cfg = PR.shape_config(args.shape, args.layers)
-        model = PR.random_model(cfg, dtype=args.dtype or "bfloat16")
         label = args.shape + (f" ({args.layers} layers)" if args.layers else "")
         if args.preset is None:
             args.preset = PR.SHAPE_PRESET.get(args.shape.lower())
     else:
-        model, label = _load(args.model, args.dtype, args.family)
+        label = _model_path(args.model)
+        cfg = _model_config(label, args.family)
     if args.max_positions:
+        cfg = cfg.replace(max_position_embeddings=args.max_positions)
+    gen = _gen(args)
+    bs = gen.block_size or cfg.block_size
+    if args.out_len <= bs:
+        raise CLIError(f"--out-len {args.out_len} must exceed one block ({bs}) to split prefill and decode")
+    if not policies:
+        raise CLIError("no policies given")
+    PR.build_policies(cfg, gen, policies, args.capacity, args.out_len, kw)  # refuse before the load
+
+    if args.shape:
+        model = PR.random_model(cfg, dtype=args.dtype or "bfloat16")
+    else:
         from .api import Model
 
-        model = Model(model.config.replace(max_position_embeddings=args.max_positions), model.params)
-    res = PR.profile(model, args.prompt_len, args.out_len, _csv(args.batch, int), _csv(args.policies),
-                     capacity=args.capacity, gen=_gen(args), repeats=args.repeats,
-                     policy_kw=_kw(args.policy_kw),
+        model, _ = _load(label, args.dtype, args.family)
+        model = Model(cfg, model.params)
+    res = PR.profile(model, args.prompt_len, args.out_len, batches, policies,
+                     capacity=args.capacity, gen=gen, repeats=args.repeats, policy_kw=kw,
                      kv_budget_gb=args.kv_budget_gb, mesh=args.mesh)
     res["model"] = label
     res["preset"] = args.preset
     text = json.dumps(res, indent=1)
     print(text)
     if args.out:
+        from .evaluation.atomic import write_text
+
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(text)
-    return 0
+        write_text(args.out, text)
+    if res["skipped"]:
+        for sk in res["skipped"]:
+            print(f"maskahead profile: run {sk['policy']} batch {sk.get('batch')} failed: "
+                  f"{_one_line(sk['reason'])}", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK
 
 
 def cmd_demo(args) -> int:
     from .evaluation.datasets import load_tokenizer, score_example, testbed_suite
-    from .evaluation.policies import PolicyError, make_policy
+    from .evaluation.policies import (knobs, make_policy, parse_policy_kw, policy_key, resolve_policy_kw,
+                                      run_label, takes_budget, validate_policy)
     from .generate import generate
 
     t_start = time.perf_counter()
-    model, path = _load(None)
+    depths = _depths(args.depths)
+    names = [n for n in dict.fromkeys(policy_key(x) for x in _csv(args.policy)) if n != "dense"]
+    if args.policy_kw is None:  # the demo's floors, where a policy has them
+        per = {n: {k: v for k, v in parse_policy_kw(DEMO_KW).items() if k in knobs(n)} for n in names}
+    else:
+        per = resolve_policy_kw(names, _kw(args.policy_kw))
+    path = _model_path(None)
+    cfg = _model_config(path)
     tok = load_tokenizer(path)
-    exs = testbed_suite(_csv(args.tasks), [args.length], _csv(args.depths, float), n_per_cell=1,
-                        seed=args.seed, tokenizer=tok)
-    cfg = _gen(argparse.Namespace(preset=None), max_new=max(e.max_new_tokens for e in exs))
+    exs = testbed_suite(_csv(args.tasks), [args.length], depths, n_per_cell=1, seed=args.seed, tokenizer=tok)
+    gen = _gen(argparse.Namespace(preset=None), max_new=max(e.max_new_tokens for e in exs))
+    resolved = gen.resolve(cfg)
     runs = [("dense", make_policy("dense"))]
-    notes = []
-    for name in _csv(args.policy):
-        try:
-            try:
-                pol = make_policy(name, args.capacity, **_kw(args.policy_kw))
-            except PolicyError:
-                pol = make_policy(name, args.capacity)
-            runs.append((name, pol))
-        except PolicyError as e:
-            notes.append(f"note: {name} is not available here ({e}); skipped.")
-    if len(runs) == 1:
-        notes.append("note: showing the dense cache only.")
+    for name in names:
+        cap = args.capacity if takes_budget(name) else None
+        pol = make_policy(name, cap, **per[name])
+        validate_policy(pol, cfg, resolved, run_label(name, cap))
+        runs.append((name, pol))
+    model, path = _load(path)
     print(f"MaskAhead demo: testbed model ({path}), tasks {args.tasks}, {args.length}-token prompts, "
           f"depths {args.depths}, capacity {args.capacity:g}%")
-    for n in notes:
-        print(n)
+    if len(runs) == 1:
+        print("note: showing the dense cache only.")
     results = {}
     for name, pol in runs:
         ids = [e.ids for e in exs]
-        generate(model, ids, cfg, pol)  # compile
-        out = generate(model, ids, cfg, pol)
+        generate(model, ids, gen, pol)  # compile
+        out = generate(model, ids, gen, pol)
         results[name] = out
     w = max(len(n) for n, _ in runs) + 2
     for i, e in enumerate(exs):
@@ -330,25 +604,86 @@ def cmd_demo(args) -> int:
               f"peak {min(st['reduction_peak']):.2f}x  forwards {st['nfe_batch']}  "
               f"{st['wall_s'] * 1e3:.0f} ms (after compile)")
     print(f"\n total {time.perf_counter() - t_start:.1f}s")
-    return 0
+    return EXIT_OK
+
+
+# ----------------------------------------------------------------------------- convert
+class _QuietParser(argparse.ArgumentParser):
+    def error(self, message):
+        raise ValueError(message)
+
+
+def _convert_precheck(argv: Sequence[str]) -> Optional[str]:
+    """The destination of `maskahead convert SRC DST` checked before the checkpoint is read: a
+    folder (or a path where one can be created) whose parent is writable (convert writes a
+    sibling temporary folder there). Returns the error, or None (also when argv does not parse:
+    converters.load.cli_convert reports that)."""
+    ap = _QuietParser(add_help=False)
+    ap.add_argument("src")
+    ap.add_argument("dst")
+    ap.add_argument("--dtype")
+    ap.add_argument("--family")
+    ap.add_argument("--force", action="store_true")
+    ap.add_argument("-h", "--help", action="store_true")
+    try:
+        a, _ = ap.parse_known_args(list(argv))
+    except ValueError:
+        return None
+    if a.help:
+        return None
+    try:
+        if os.path.lexists(a.dst) and not os.path.isdir(a.dst):
+            raise CLIError(f"destination {a.dst} is a file, not a folder")
+        _can_create_in(os.path.dirname(os.path.abspath(a.dst)), f"destination {a.dst}")
+    except CLIError as e:
+        return str(e)
+    return None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """The `maskahead` command; returns the exit status (EXIT_STATUS)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug = bool(os.environ.get("MASKAHEAD_TRACEBACK"))
     if argv and argv[0] == "convert":
+        err = _convert_precheck(argv[1:])
+        if err:
+            print(f"maskahead convert: error: {err}", file=sys.stderr)
+            return EXIT_USAGE
         from converters.load import cli_convert
 
-        return cli_convert(argv[1:])
-    args = build_parser().parse_args(argv)
-    from .config import ConfigError
-    from .evaluation.policies import PolicyError
+        try:
+            return cli_convert(argv[1:])
+        except KeyboardInterrupt:
+            if debug:
+                raise
+            print("\nmaskahead convert: interrupted (the destination is left as it was)", file=sys.stderr)
+            return EXIT_INTERRUPTED
+    args = build_parser().parse_args(argv)  # usage errors: argparse's one line, exit 2
 
     fn = dict(generate=cmd_generate, eval=cmd_eval, profile=cmd_profile, demo=cmd_demo)[args.cmd]
     try:
         return fn(args)
-    except (CLIError, PolicyError, ConfigError, FileNotFoundError, ValueError) as e:
-        print(f"maskahead {args.cmd}: error: {e}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"\nmaskahead {args.cmd}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as e:
+        from .evaluation.sweep import RunFailed
+
+        if debug:
+            raise
+        if isinstance(e, RunFailed):  # --strict: the first failing run stops the sweep
+            print(f"maskahead {args.cmd}: error: run {describe_error(e)}", file=sys.stderr)
+            return EXIT_FAILED
+        if isinstance(e, (CLIError, ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
+                          PermissionError)):  # PolicyError, ConfigError, CheckpointError, RunMismatch ...
+            print(f"maskahead {args.cmd}: error: {describe_error(e)}", file=sys.stderr)
+            return EXIT_USAGE
+        if isinstance(e, OSError):  # e.g. a full disk while writing results
+            print(f"maskahead {args.cmd}: error: {describe_error(e)}", file=sys.stderr)
+            return EXIT_FAILED
+        raise
 
 
 if __name__ == "__main__":

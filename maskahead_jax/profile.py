@@ -16,11 +16,13 @@ Method (same prompt replicated over the batch, fixed output length: stop at EOS 
   * speedups = dense time / policy time, same run, same batch.
 Serving capacity: the largest batch whose peak KV bytes (per row, which scale linearly with the
 batch) fit `kv_budget_gb`, per policy.
+
+A library module (the command line is `maskahead profile`, in cli.py); `python -m
+maskahead_jax.profile ARGS` runs `maskahead profile ARGS`.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
 import sys
 import time
@@ -98,10 +100,13 @@ def profile(model, prompt_len: int, out_len: int, batch_sizes: Sequence[int],
             policies: Sequence[str] = ("dense", "maskahead", "q-maskahead"), capacity: float = 10.0,
             gen: Optional[GenerationConfig] = None, repeats: int = 1, kv_budget_gb: float = 40.0,
             seed: int = 0, log=sys.stderr, policy_kw: Optional[dict] = None, mesh=None) -> dict:
-    """Profile every policy at every batch size; see the module docstring for the method."""
-    import jax
+    """Profile every policy at every batch size; see the module docstring for the method.
 
-    from .evaluation.policies import make_policy
+    policy_kw: knobs as `maskahead_jax.evaluation.policies.resolve_policy_kw` takes them
+    (unprefixed: every policy that has the knob; "name:knob": that policy only). Every policy is
+    built and validated against the model before the first run (PolicyError otherwise); a
+    (policy, batch) run that fails (e.g. out of memory) is listed under `skipped`."""
+    import jax
 
     cfg: ModelConfig = model.config
     gen = gen or GenerationConfig()
@@ -110,18 +115,15 @@ def profile(model, prompt_len: int, out_len: int, batch_sizes: Sequence[int],
         raise ValueError(f"out_len {out_len} must exceed one block ({bs}) to split prefill and decode")
     if prompt_len <= 0:
         raise ValueError("prompt_len must be positive")
+    if not batch_sizes or any(int(b) <= 0 for b in batch_sizes):
+        raise ValueError(f"batch sizes must be positive integers, got {list(batch_sizes)}")
+    pols = build_policies(cfg, gen, policies, capacity, out_len, policy_kw)
     prompt = _prompt(cfg, prompt_len, seed)
     full = dataclasses.replace(gen, max_new_tokens=out_len, stop_at_eos=False)
     pre = dataclasses.replace(gen, max_new_tokens=bs, stop_at_eos=False)
     res = dict(prompt_len=prompt_len, out_len=out_len, batch_sizes=list(batch_sizes), capacity_pct=capacity,
                repeats=repeats, backend=jax.default_backend(), device=str(jax.devices()[0]),
                dtype=str(model.params["embed"].dtype), block_size=bs, runs=[], skipped=[], serving={})
-    pols = {}
-    for p in policies:
-        try:
-            pols[p] = make_policy(p, capacity, **({} if p == "dense" else (policy_kw or {})))
-        except Exception as e:
-            res["skipped"].append(dict(policy=p, reason=str(e)))
     per_row_peak = {}
     for b in batch_sizes:
         prompts = [prompt] * int(b)
@@ -171,6 +173,25 @@ def profile(model, prompt_len: int, out_len: int, batch_sizes: Sequence[int],
     return res
 
 
+def build_policies(cfg: ModelConfig, gen: GenerationConfig, policies: Sequence[str], capacity: Optional[float],
+                   out_len: int, policy_kw: Optional[dict] = None) -> dict:
+    """{name: policy} for a profile, each built (budgetless policies without the capacity) and
+    validated against `cfg` and the resolved generation config: PolicyError before any run."""
+    from .evaluation.policies import make_policy, resolve_policy_kw, run_label, takes_budget, validate_policy
+
+    per = resolve_policy_kw(policies, policy_kw)
+    resolved = dataclasses.replace(gen, max_new_tokens=out_len, stop_at_eos=False).resolve(cfg)
+    pols = {}
+    for p in policies:
+        key = p.strip().lower().replace("_", "-")
+        cap = capacity if takes_budget(key) else None
+        label = run_label(p, cap)
+        pol = make_policy(p, cap, **per[key])
+        validate_policy(pol, cfg, resolved, label)
+        pols[p] = pol
+    return pols
+
+
 def serving_capacity(per_row_peak_bytes: dict, kv_budget_gb: float) -> dict:
     """{policy: per-row peak bytes} -> the largest batch whose KV fits kv_budget_gb (GiB)."""
     budget = kv_budget_gb * 2 ** 30
@@ -184,11 +205,8 @@ def serving_capacity(per_row_peak_bytes: dict, kv_budget_gb: float) -> dict:
     return out
 
 
-def main(argv=None) -> int:
-    from .cli import main as cli_main
+if __name__ == "__main__":  # `python -m maskahead_jax.profile ARGS` = `maskahead profile ARGS`
+    import runpy
 
-    return cli_main(["profile"] + list(argv if argv is not None else sys.argv[1:]))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    sys.argv[1:1] = ["profile"]
+    runpy.run_module("maskahead_jax.cli", run_name="__main__", alter_sys=True)

@@ -110,7 +110,7 @@ def test_demo_tasks(capsys):
     assert "sudoku" in capsys.readouterr().err
 
 
-def test_demo_missing_policy_falls_back_to_dense(capsys):
-    assert cli.main(["demo", "--length", "96", "--depths", "0.5", "--policy", "no-such-policy"]) == 0
-    out = capsys.readouterr().out
-    assert "not available" in out and "dense cache only" in out
+def test_demo_unknown_policy_is_refused(capsys):
+    """A policy typo is an error (exit 2, one line) before the model loads, not a skipped note."""
+    assert cli.main(["demo", "--length", "96", "--depths", "0.5", "--policy", "no-such-policy"]) == 2
+    assert "unknown policy 'no-such-policy'" in capsys.readouterr().err

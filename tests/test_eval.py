@@ -262,7 +262,7 @@ def test_sweep_resume_checks_run_fingerprint(tmp_path, monkeypatch):
         pytest.skip("no maskahead policy in the registry")
 
     def factory(recent):
-        knobs = dict(capacity_floor=12, topk_floor=4, recent=recent, sinks=2)
+        knobs = dict(capacity_floor=20, topk_floor=4, recent=recent, sinks=2)  # floor >= recent + sinks
         return lambda p, c: PO.make_policy(p, c, **({} if p == "dense" else knobs))
 
     r1 = run_sweep(model, exs, ["maskahead"], [20], out, NumTok(), policy_factory=factory(8), **kw)
@@ -380,3 +380,100 @@ def test_one_registry_one_policy_error():
     assert PO.make_policy("mage", 10) == P.make("mage")
     with pytest.raises(P.PolicyError, match="takes no budget"):
         P.make("mage", 10)
+
+
+# ----------------------------------------------------------------------------- issue 35 items 5, 7
+def test_sweep_validates_every_policy_before_the_first_forward(tmp_path, monkeypatch):
+    """A typo, an unknown knob or inconsistent floors in any run of a sweep is a PolicyError before
+    dense (or anything) runs, naming the run; nothing is written."""
+    import importlib
+
+    G = importlib.import_module("maskahead_jax.generate")
+    monkeypatch.setattr(G, "generate", lambda *a, **k: pytest.fail("a forward ran before validation"))
+    model = tiny_model("sdar")
+    exs = _examples()[:2]
+    out = str(tmp_path / "sweep")
+    kw = dict(progress=False, plots=False)
+
+    def factory(knobs):
+        return lambda p, c: PO.make_policy(p, c, **({} if p == "dense" else knobs))
+
+    with pytest.raises(PO.PolicyError, match=r"maskahead@5: capacity_floor=8 is below recent \+ sinks"):
+        run_sweep(model, exs, ["dense", "maskahead"], [5, 20], out, NumTok(),
+                  policy_factory=factory(dict(capacity_floor=8)), **kw)
+    with pytest.raises(PO.PolicyError, match="maskahead@5: .*has no knob windw"):
+        run_sweep(model, exs, ["dense", "maskahead"], [5], out, NumTok(), policy_factory=factory(dict(windw=3)), **kw)
+    with pytest.raises(PO.PolicyError, match="maskahead@5: .*knob topk_pct expects a number, got 'abc'"):
+        run_sweep(model, exs, ["dense", "maskahead"], [5], out, NumTok(),
+                  policy_factory=factory(dict(topk_pct="abc")), **kw)
+    with pytest.raises(PO.PolicyError, match="maskkv@5: maskkv compresses the prompt of bidirectional"):
+        run_sweep(model, exs, ["dense", "maskkv"], [5], out, NumTok(), **kw)
+    with pytest.raises(ValueError, match="max_new_tokens must be positive"):
+        run_sweep(model, exs, ["dense"], [None], out, NumTok(), max_new_tokens=-1, **kw)
+    assert not os.path.exists(out)
+
+
+def test_resolve_policy_kw_per_policy_and_types():
+    r = PO.resolve_policy_kw(["dense", "maskahead", "snapkv"], PO.parse_policy_kw(
+        "maskahead:capacity_floor=128,snapkv:window=16,topk_floor=32,capacity_floor=64"))
+    assert r == {"dense": {}, "maskahead": {"capacity_floor": 128, "topk_floor": 32},
+                 "snapkv": {"capacity_floor": 64, "topk_floor": 32, "window": 16}}
+    assert PO.resolve_policy_kw(["q_maskahead"], {"q-maskahead:bits": 8}) == {"q-maskahead": {"bits": 8}}
+    # lists keep their commas; types come from the dataclass fields
+    assert PO.parse_policy_kw("layer_importance=[1,2,3],beta=0.5") == {"layer_importance": [1, 2, 3], "beta": 0.5}
+    assert PO.resolve_policy_kw(["maskkv"], {"budget_per_head": None, "beta": 1}) == \
+        {"maskkv": {"budget_per_head": None, "beta": 1}}
+    for kw, msg in [({"windw": 1}, "no policy of this run"), ({"snapkv:window": 1}, "not in this run"),
+                    ({"maskahead:window": 1}, "has no knob window"), ({"topk_pct": "abc"}, "expects a number"),
+                    ({"recent": 2.5}, "expects an integer"), ({"pin_question": 1}, "expects true or false"),
+                    ({"select_ranking": 3}, "expects a string"), ({"recent": None}, "expects an integer")]:
+        with pytest.raises(PO.PolicyError, match=msg):
+            PO.resolve_policy_kw(["dense", "maskahead"], kw)
+    with pytest.raises(PO.PolicyError, match="layer_importance expects a list"):
+        PO.make_policy("maskkv", 5, layer_importance="abc")
+    with pytest.raises(ValueError, match="bad policy knob 'maskahead:=3'"):
+        PO.parse_policy_kw("maskahead:=3")
+
+
+def _v2(i, **over):
+    r = dict(_id=f"id{i}", domain="Code Repository Understanding", sub_domain="s", difficulty="hard",
+             length="long", question=f" which one {i} ? ", choice_A="alpha", choice_B="beta", choice_C="gamma",
+             choice_D="delta", answer="C", context=" ".join(f"w{j}" for j in range(100)))
+    r.update(over)
+    return r
+
+
+def test_longbench_v2_multiple_choice(tmp_path):
+    (tmp_path / "data.json").write_text(json.dumps([_v2(0), _v2(1, answer="a")], indent=2))  # pretty-printed
+    tok = WordTok()
+    exs = D.load_longbench(str(tmp_path), tok, max_length=1000)
+    assert [e.id for e in exs] == ["longbench_v2/id0", "longbench_v2/id1"]
+    e = exs[0]
+    assert (e.dataset, e.kind, e.max_new_tokens, e.answers) == ("longbench_v2", "longbench_v2", 128, ["C"])
+    assert exs[1].answers == ["A"] and e.meta["domain"] == "Code Repository Understanding"
+    text = tok.decode(e.ids)
+    ctx = " ".join(f"w{j}" for j in range(100))
+    assert text == "<user> " + (
+        f"Please read the following text and answer the question below.\n\n<text>\n{ctx}\n</text>\n\n"
+        "What is the correct answer to this question: which one 0 ?\nChoices:\n(A) alpha\n(B) beta\n"
+        "(C) gamma\n(D) delta\n\nFormat your response as follows: \"The correct answer is (insert answer "
+        "here)\".") + " <assistant>"
+    # pred.py's answer extraction
+    assert D.score_example(e, "The correct answer is (C)") == 1.0
+    assert D.score_example(e, "**The correct answer is C**") == 1.0
+    assert D.score_example(e, "The correct answer is (B)") == 0.0 and D.score_example(e, "C") == 0.0
+    # middle truncation: first and last max_length // 2 tokens
+    t = D.load_longbench(str(tmp_path / "data.json"), tok, max_length=20)[0]
+    assert t.meta["truncated"] and len(t.ids) <= 20 + 2
+    # --longbench-datasets keeps v2 only when named; a malformed record is named
+    assert D.load_longbench(str(tmp_path), tok, 1000, datasets=["hotpotqa"]) == []
+    assert len(D.load_longbench(str(tmp_path), tok, 1000, datasets=["longbench_v2"], limit=1)) == 1
+    (tmp_path / "bad.json").write_text(json.dumps([_v2(0, answer="E")]))
+    with pytest.raises(ValueError, match="has answer 'E', expected A, B, C or D"):
+        D.load_longbench(str(tmp_path / "bad.json"), tok, 1000)
+    (tmp_path / "bad2.json").write_text(json.dumps([{k: v for k, v in _v2(0).items() if k != "choice_D"}]))
+    with pytest.raises(ValueError, match="lacks LongBench v2 field"):
+        D.load_longbench(str(tmp_path / "bad2.json"), tok, 1000)
+    (tmp_path / "lines.json").write_text(json.dumps([1, 2]))
+    with pytest.raises(ValueError, match="record 0 is a int, not a JSON object"):
+        D.load_longbench(str(tmp_path / "lines.json"), tok, 1000)

@@ -7,4 +7,4 @@ from .datasets import (LONGBENCH_MAXLEN, LONGBENCH_NO_CHAT, LONGBENCH_PROMPTS, E
 from .policies import PolicyError, make_policy, parse_capacities, policy_budgets
 from .presets import PRESETS, preset_config
 from .stats import paired_sign_test, sign_test
-from .sweep import RunMismatch, SweepResult, load_rows, run_fingerprint, run_sweep, summarize, write_summary
+from .sweep import RunFailed, RunMismatch, SweepResult, load_rows, run_fingerprint, run_sweep, summarize, write_summary

@@ -5,15 +5,19 @@ Loaders (all local; nothing is downloaded):
   needle_grid     passkey (niah) or two-hop (niah_hard) over context length x depth
   load_longbench  LongBench v1 JSONL files (official prompt templates, max_new_tokens per dataset,
                   middle truncation keeping the first and last halves, chat template when the
-                  tokenizer has one, except for the few-shot / code tasks, as LongBench's pred.py)
+                  tokenizer has one, except for the few-shot / code tasks, as LongBench's pred.py),
+                  and LongBench v2's data.json (multiple choice A-D, the 0-shot prompt of its
+                  pred.py, scored by the letter after "The correct answer is")
   load_math       GSM8K / MATH-500 style JSONL, scored by exact match on the last \\boxed{}
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import glob
 import json
 import os
+import re
 import warnings
 from typing import Any, Iterable, Optional, Sequence
 
@@ -49,6 +53,15 @@ LONGBENCH_MAXLEN = {
 # pred.py: no chat template for the few-shot and code-completion tasks.
 LONGBENCH_NO_CHAT = ("trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p")
 
+# LongBench v2 (THUDM/LongBench prompts/0shot.txt and pred.py: 128 new tokens, no CoT).
+LONGBENCH_V2 = "longbench_v2"
+LONGBENCH_V2_PROMPT = (
+    "Please read the following text and answer the question below.\n\n<text>\n$DOC$\n</text>\n\n"
+    "What is the correct answer to this question: $Q$\nChoices:\n(A) $C_A$\n(B) $C_B$\n(C) $C_C$\n"
+    "(D) $C_D$\n\nFormat your response as follows: \"The correct answer is (insert answer here)\".")
+LONGBENCH_V2_MAXLEN = 128
+LONGBENCH_V2_FIELDS = ("question", "choice_A", "choice_B", "choice_C", "choice_D", "answer", "context")
+
 MATH_PROMPT = "{question}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
 
 # testbed suite answer lengths (as experiments/eval_testbed.py)
@@ -59,8 +72,9 @@ TESTBED_MAX_NEW = {"passkey": 16, "multikey": 16, "twohop": 16, "docqa": 16, "lo
 class EvalExample:
     """One evaluation item: prompt token ids, references and how to score them.
 
-    kind: testbed | longbench | math.  meta: length / depth for needle heatmaps, the testbed
-    task fields, LongBench all_classes, the untruncated prompt length."""
+    kind: testbed | longbench | longbench_v2 | math.  meta: length / depth for needle heatmaps,
+    the testbed task fields, LongBench all_classes, LongBench v2 domain / difficulty, the
+    untruncated prompt length."""
 
     id: str
     dataset: str
@@ -305,32 +319,134 @@ def longbench_examples(records: Iterable[dict], dataset: str, tokenizer: Tokeniz
     return out
 
 
+def longbench_v2_examples(records: Iterable[dict], tokenizer: Tokenizer, max_length: int,
+                          chat: Optional[bool] = None, max_new_tokens: Optional[int] = None,
+                          limit: Optional[int] = None, source: str = "LongBench v2") -> list[EvalExample]:
+    """LongBench v2 records (_id, domain, sub_domain, difficulty, length, question, choice_A..D,
+    answer, context) -> multiple-choice examples, as its pred.py (0-shot, no CoT): the 0shot.txt
+    template with each field stripped; a prompt longer than `max_length` tokens keeps its first
+    and last max_length // 2 tokens (decoded and joined); then the chat template (unless
+    chat=False); 128 new tokens. Scored 1 when the letter after "The correct answer is" (asterisks
+    dropped, "(B)" or "B") equals `answer`."""
+    out = []
+    for i, rec in enumerate(records):
+        if limit is not None and len(out) >= limit:
+            break
+        if not isinstance(rec, dict):
+            raise ValueError(f"{source}: record {i} is a {type(rec).__name__}, not a JSON object")
+        missing = [k for k in LONGBENCH_V2_FIELDS if k not in rec]
+        if missing:
+            raise ValueError(f"{source}: record {i} lacks LongBench v2 field(s) {', '.join(missing)}")
+        answer = str(rec["answer"]).strip().upper()
+        if answer not in ("A", "B", "C", "D"):
+            raise ValueError(f"{source}: record {i} has answer {rec['answer']!r}, expected A, B, C or D")
+        prompt = LONGBENCH_V2_PROMPT
+        for key, field in (("$DOC$", "context"), ("$Q$", "question"), ("$C_A$", "choice_A"),
+                           ("$C_B$", "choice_B"), ("$C_C$", "choice_C"), ("$C_D$", "choice_D")):
+            prompt = prompt.replace(key, str(rec[field]).strip())
+        raw = tokenizer.encode(prompt, add_special_tokens=False)
+        n_raw = len(raw)
+        if n_raw > max_length:
+            half = max_length // 2
+            prompt = tokenizer.decode(raw[:half]) + tokenizer.decode(raw[n_raw - half:])
+        ids = tokenizer.encode_prompt(prompt, chat=chat is not False)
+        out.append(EvalExample(
+            id=f"{LONGBENCH_V2}/{rec.get('_id', i)}", dataset=LONGBENCH_V2, ids=ids, answers=[answer],
+            max_new_tokens=int(max_new_tokens or LONGBENCH_V2_MAXLEN), kind=LONGBENCH_V2,
+            meta=dict(domain=rec.get("domain"), sub_domain=rec.get("sub_domain"),
+                      difficulty=rec.get("difficulty"), length=rec.get("length"),
+                      n_prompt_raw=n_raw, truncated=n_raw > max_length)))
+    return out
+
+
+def extract_choice(response: str) -> Optional[str]:
+    """LongBench v2 pred.py's extract_answer: the letter of "The correct answer is (X)" or
+    "... is X" (asterisks removed), else None."""
+    response = response.replace("*", "")
+    m = re.search(r"The correct answer is \(([A-D])\)", response) or \
+        re.search(r"The correct answer is ([A-D])", response)
+    return m.group(1) if m else None
+
+
+def _read_records(path: str) -> list:
+    """A JSON array file (LongBench v2's data.json, or v1 records as one array) or JSON lines."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no such file: {path}")
+    if os.path.isdir(path):
+        raise ValueError(f"{path} is a folder, expected a .jsonl / .json file")
+    with open(path, encoding="utf-8") as f:
+        head = f.read(4096).lstrip()
+    if head.startswith("["):
+        try:
+            with open(path, encoding="utf-8") as f:
+                recs = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not a JSON array ({e})") from None
+    else:
+        recs = _read_jsonl(path)
+        if len(recs) == 1 and isinstance(recs[0], list):
+            recs = recs[0]
+    for i, r in enumerate(recs):
+        if not isinstance(r, dict):
+            raise ValueError(f"{path}: record {i} is a {type(r).__name__}, not a JSON object; expected "
+                             f"LongBench v1 JSONL (context, input, answers) or LongBench v2 data.json "
+                             f"(question, choice_A..choice_D, answer, context)")
+    return recs
+
+
+def _longbench_format(path: str, rec: dict) -> str:
+    if all(k in rec for k in ("choice_A", "question")):
+        return "v2"
+    if "context" in rec and "answers" in rec:
+        return "v1"
+    raise ValueError(f"{path}: records are in neither LongBench format: v1 JSONL has context, input, answers "
+                     f"(+ all_classes, _id); v2 data.json has question, choice_A..choice_D, answer, context; "
+                     f"the first record has {', '.join(sorted(map(str, rec))[:8]) or 'no fields'}")
+
+
 def load_longbench(paths, tokenizer: Tokenizer, max_length: int, datasets: Optional[Sequence[str]] = None,
                    limit: Optional[int] = None, chat: Optional[bool] = None,
                    max_new_tokens: Optional[int] = None) -> list[EvalExample]:
-    """LongBench JSONL files (or folders of `<dataset>.jsonl`); the dataset comes from each
-    record's `dataset` field or the file name. `limit` caps examples per file."""
+    """LongBench files: v1 JSONL files (or folders of `<dataset>.jsonl`; the dataset comes from
+    each record's `dataset` field or the file name) and LongBench v2's data.json (a JSON array,
+    or a folder holding data.json; dataset `longbench_v2`). `limit` caps examples per file;
+    `datasets` keeps only those datasets (v1 names, or longbench_v2)."""
     if isinstance(paths, str):
         paths = [p for p in paths.split(",") if p]
+    if max_length <= 0:
+        raise ValueError(f"LongBench max length must be positive, got {max_length}")
     files = []
     for p in paths:
         if os.path.isdir(p):
             found = sorted(glob.glob(os.path.join(p, "*.jsonl")))
             files += [f for f in found if _dataset_of(f, {}) in LONGBENCH_PROMPTS]
+            if os.path.exists(os.path.join(p, "data.json")):
+                files.append(os.path.join(p, "data.json"))
         else:
             files.append(p)
     if not files:
-        raise FileNotFoundError(f"no LongBench .jsonl files under {paths}")
+        raise FileNotFoundError(f"no LongBench files under {paths} (v1: <dataset>.jsonl, v2: data.json)")
     out = []
     for f in files:
-        recs = _read_jsonl(f)
+        recs = _read_records(f)
         if not recs:
+            continue
+        if _longbench_format(f, recs[0]) == "v2":
+            if datasets and LONGBENCH_V2 not in datasets:
+                continue
+            out += longbench_v2_examples(recs, tokenizer, max_length, chat=chat,
+                                         max_new_tokens=max_new_tokens, limit=limit, source=f)
             continue
         ds = _dataset_of(f, recs[0])
         if datasets and ds not in datasets:
             continue
         out += longbench_examples(recs, ds, tokenizer, max_length, chat=chat,
                                   max_new_tokens=max_new_tokens, limit=limit)
+    counts = collections.Counter(e.id for e in out)
+    if any(n > 1 for n in counts.values()):
+        dup = sorted(i for i, n in counts.items() if n > 1)
+        raise ValueError(f"LongBench example ids repeat across the files given ({', '.join(dup[:3])}): "
+                         f"pass each file once")
     return out
 
 
@@ -381,4 +497,6 @@ def score_example(ex: EvalExample, prediction: str) -> float:
                                              all_classes=ex.meta.get("all_classes") or []))
     if ex.kind == "math":
         return float(metrics.boxed_exact_match(prediction, ex.answers[0]))
+    if ex.kind == LONGBENCH_V2:
+        return float(extract_choice(prediction) == ex.answers[0])
     raise ValueError(f"unknown example kind {ex.kind!r}")

@@ -1,4 +1,5 @@
-"""Plots (matplotlib, Agg, PNG): score vs KV reduction (Pareto), needle heatmaps, MaskKV budgets."""
+"""Plots (matplotlib, Agg, PNG): score vs KV reduction (Pareto), needle heatmaps, MaskKV budgets.
+Each PNG is written atomically (a full disk leaves no truncated image)."""
 from __future__ import annotations
 
 import json
@@ -6,6 +7,8 @@ import os
 from collections import defaultdict
 
 import numpy as np
+
+from .atomic import savefig
 
 
 def _plt():
@@ -49,7 +52,7 @@ def pareto(summary: dict, path: str) -> str:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    savefig(fig, path, dpi=110)
     plt.close(fig)
     return path
 
@@ -94,7 +97,7 @@ def needle_heatmaps(rows, out_dir: str) -> dict:
             fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.8)
         fig.suptitle(f"{ds}: score by depth x length", fontsize=10)
         path = os.path.join(out_dir, f"needle_{ds}.png")
-        fig.savefig(path, dpi=100)
+        savefig(fig, path, dpi=100)
         plt.close(fig)
         out[f"needle_{ds}"] = path
     return out
@@ -131,7 +134,7 @@ def budget_plots(budgets: dict, out_dir: str) -> dict:
         fig.tight_layout()
         safe = key.replace("@", "_").replace("/", "_")
         path = os.path.join(out_dir, f"budgets_{safe}.png")
-        fig.savefig(path, dpi=100)
+        savefig(fig, path, dpi=100)
         plt.close(fig)
         out[f"budgets_{safe}"] = path
     return out
@@ -145,7 +148,8 @@ def make_plots(rows, summary: dict, out_dir: str) -> dict:
     bpath = os.path.join(out_dir, "budgets.json")
     if os.path.exists(bpath):
         try:
-            paths.update(budget_plots(json.load(open(bpath)), out_dir))
+            with open(bpath, encoding="utf-8") as f:
+                paths.update(budget_plots(json.load(f), out_dir))
         except (json.JSONDecodeError, ValueError):
             pass
     return paths

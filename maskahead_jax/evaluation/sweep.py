@@ -8,6 +8,7 @@ Files written under `out_dir`:
   summary.md      the same as a Markdown table
   budgets.json    per-layer / per-head budgets of policies that expose them (MaskKV)
   *.png           pareto.png, needle_<dataset>.png, budgets_<policy>_<cap>.png
+Every file but results.jsonl (appended and fsync'ed per batch) is written atomically (atomic.py).
 """
 from __future__ import annotations
 
@@ -25,8 +26,9 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from ..config import GenerationConfig
+from . import atomic
 from .datasets import EvalExample, Tokenizer, score_example
-from .policies import make_policy, policy_budgets, takes_budget
+from .policies import PolicyError, make_policy, policy_budgets, run_label, takes_budget, validate_policy
 from .stats import paired_sign_test
 
 REFERENCE = "maskahead"
@@ -34,6 +36,11 @@ REFERENCE = "maskahead"
 
 class RunMismatch(ValueError):
     """`out_dir` holds results of a run with other settings (or from before run fingerprints)."""
+
+
+class RunFailed(RuntimeError):
+    """A (policy, capacity) run failed while generating (raised by a strict sweep; the error it
+    wraps is its __cause__)."""
 
 
 def cap_label(cap: Optional[float]) -> str:
@@ -206,13 +213,7 @@ def write_run_json(out_dir: str, fp: dict, reprs: dict) -> str:
             old = json.load(f)
         pols, created = old.get("policies", {}), old.get("created", created)
     pols.update({f"{p}@{c}": r for (p, c), r in reprs.items()})
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(dict(fp, policies=pols, created=created), f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return path
+    return atomic.write_json(path, dict(fp, policies=pols, created=created), indent=1)
 
 
 def load_rows(path: str, repair: bool = True) -> list[dict]:
@@ -238,17 +239,15 @@ def load_rows(path: str, repair: bool = True) -> list[dict]:
         seen.add(k)
         rows.append(r)
     if repair and (bad or (lines and lines[-1] != "")):
-        tmp = path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
+        with atomic.atomic_open(path, "w") as f:
             for r in rows:
                 f.write(json.dumps(r) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
     return rows
 
 
 def _runs(policies: Sequence[str], capacities: Sequence[Optional[float]]) -> list[tuple[str, Optional[float]]]:
+    """(policy, capacity) runs: budgetless policies once (capacity None), the others per capacity.
+    An unknown name is a PolicyError."""
     runs = []
     for p in policies:
         p = p.strip().lower()
@@ -302,7 +301,11 @@ def run_sweep(model, examples: Sequence[EvalExample], policies: Sequence[str],
     digest; otherwise RunMismatch is raised before anything in out_dir is touched. Rows written
     before fingerprints existed are refused the same way. Capacity-free policies (dense) run once.
     `gen` is the base GenerationConfig (a preset); max_new_tokens comes from each example unless
-    given. A failing run is reported in `errors` (and re-raised when strict).
+    given. Before the first forward, the generation config is resolved against the model and
+    every (policy, capacity) is built and validated (`policy.validate(model.config, resolved)`):
+    an unknown name, a bad knob or inconsistent settings raise PolicyError (ConfigError /
+    ValueError for the generation config) and nothing is run or written. A run that fails while
+    generating is reported in `errors` and the others go on (strict: RunFailed, from the error).
     bucket: prompt-length bucket quantum ("auto": `auto_bucket`); pad_batches: fill a short last
     batch with copies of its last prompt (outputs dropped) so it reuses the full batch's compile."""
     if batch_size <= 0:
@@ -312,16 +315,12 @@ def run_sweep(model, examples: Sequence[EvalExample], policies: Sequence[str],
     ids = [e.id for e in examples]
     if len(set(ids)) != len(ids):
         raise ValueError("example ids are not unique")
+    if max_new_tokens is not None and int(max_new_tokens) <= 0:
+        raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
+    built = build_policies(model.config, gen, policies, capacities, policy_factory,
+                           max_new_tokens or max(e.max_new_tokens for e in examples))
+    errors = []
     fp = run_fingerprint(model, gen, max_new_tokens, model_path=model_path, dataset=dataset)
-    runs = _runs(policies, capacities)
-    built, errors = {}, []
-    for p, c in runs:
-        try:
-            built[(p, c)] = policy_factory(p, c)
-        except Exception as e:
-            errors.append(dict(policy=p, capacity=c, error=f"{type(e).__name__}: {e}"))
-            if strict:
-                raise
     reprs = {(p, cap_label(c)): policy_repr(pol) for (p, c), pol in built.items()}
     digests = {e.id: example_digest(e) for e in examples}
     path = os.path.join(out_dir, "results.jsonl")
@@ -356,7 +355,7 @@ def run_sweep(model, examples: Sequence[EvalExample], policies: Sequence[str],
                 except Exception as e:
                     errors.append(dict(policy=p, capacity=c, error=f"{type(e).__name__}: {e}"))
                     if strict:
-                        raise
+                        raise RunFailed(f"{p}@{cap_label(c)}: {type(e).__name__}: {e}") from e
                     break
                 st = out.stats
                 b = policy_budgets(policy, st, model.config.num_layers, [len(e.ids) for e in batch])
@@ -393,11 +392,12 @@ def run_sweep(model, examples: Sequence[EvalExample], policies: Sequence[str],
         bpath = os.path.join(out_dir, "budgets.json")
         if os.path.exists(bpath):
             try:
-                old = json.load(open(bpath))
+                with open(bpath, encoding="utf-8") as f:
+                    old = json.load(f)
             except json.JSONDecodeError:
                 old = {}
         old.update(budgets)
-        json.dump(old, open(bpath, "w"), indent=1)
+        atomic.write_json(bpath, old, indent=1)
     keys = {(p, cap_label(c), e) for p, c in built for e in ids}  # rows checked against this run
     mine = [r for r in rows if row_key(r) in keys]
     summary = summarize(mine)
@@ -411,6 +411,30 @@ def run_sweep(model, examples: Sequence[EvalExample], policies: Sequence[str],
         from . import plots as P
         paths.update(P.make_plots(mine, summary, out_dir))
     return SweepResult(rows=mine, summary=summary, paths=paths, errors=errors)
+
+
+def build_policies(model_config, gen: GenerationConfig, policies: Sequence[str],
+                   capacities: Sequence[Optional[float]], policy_factory: Callable = make_policy,
+                   max_new_tokens: Optional[int] = None) -> dict:
+    """{(policy, capacity): policy} for every run of a sweep, each built by `policy_factory(name,
+    capacity)` and validated against the model config and the resolved generation config, before
+    anything runs. Errors: PolicyError naming the run (unknown name, bad knob or budget,
+    inconsistent settings such as a capacity floor below recent + sinks), ConfigError /
+    ValueError for a generation config the model cannot resolve."""
+    g = gen if not max_new_tokens else dataclasses.replace(gen, max_new_tokens=int(max_new_tokens))
+    resolved = g.resolve(model_config)
+    built = {}
+    for p, c in _runs(policies, capacities):
+        label = run_label(p, c)
+        try:
+            pol = policy_factory(p, c)
+        except PolicyError as e:
+            raise PolicyError(f"{label}: {e}") from None
+        except (ValueError, TypeError, KeyError) as e:
+            raise PolicyError(f"{label}: cannot build the policy ({type(e).__name__}: {e})") from None
+        validate_policy(pol, model_config, resolved, label)
+        built[(p, c)] = pol
+    return built
 
 
 def _avg_budgets(items) -> dict:
@@ -489,10 +513,9 @@ def to_markdown(summary: dict) -> str:
 
 
 def write_summary(summary: dict, out_dir: str) -> dict:
+    """summary.json and summary.md in out_dir, each written atomically."""
     js = os.path.join(out_dir, "summary.json")
     md = os.path.join(out_dir, "summary.md")
-    with open(js, "w") as f:
-        json.dump(summary, f, indent=1, default=float)
-    with open(md, "w") as f:
-        f.write(to_markdown(summary))
+    atomic.write_json(js, summary, indent=1, default=float)
+    atomic.write_text(md, to_markdown(summary))
     return dict(summary_json=js, summary_md=md)
