@@ -3,12 +3,18 @@
 A converted folder holds `config.json` (and the tokenizer files) copied from the source,
 `params/` (an orbax StandardCheckpointer save of the params pytree) and `maskahead.json`
 (format marker + stored dtype).
+
+A model can also be named by its Hugging Face hub id ("Efficient-Large-Model/Fast_dLLM_v2_7B"):
+`resolve_model_path` finds it in the Hugging Face cache (downloading its weights, config and
+tokenizer files when the hub is reachable) and returns the snapshot folder. A local path that
+exists always wins over a hub id; no code from the repository is ever downloaded or run.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -32,6 +38,114 @@ PARAMS_DIR = "params"
 FORMAT = "maskahead-orbax"
 
 
+# ------------------------------------------------------------------ Hugging Face hub ids
+
+# "org/name" (huggingface_hub's repo-id rules: letters, digits, "-", "_", "."; no "--" or "..";
+# no leading / trailing "-" or "."). Single names ("gpt2") are not taken as hub ids: a typo'd
+# local folder name would otherwise be looked up on the hub.
+_HUB_PART = r"[A-Za-z0-9](?:[\w.-]{0,94}[A-Za-z0-9_])?"
+_HUB_ID = re.compile(rf"^{_HUB_PART}/{_HUB_PART}$")
+# what is fetched from a hub repository: config, tokenizer and chat template files and the
+# safetensors weights (torch .bin weights only when the repository has no safetensors); never code
+HUB_PATTERNS = ("*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja", "tokenizer*")
+HUB_BIN_PATTERNS = ("pytorch_model*.bin",)
+
+
+class HubError(CheckpointError):
+    """A hub id that cannot be resolved: not cached and the hub unreachable / offline, unknown, gated."""
+
+
+def is_hub_id(name: str) -> bool:
+    """Whether `name` has the form of a Hugging Face hub id, "org/name"."""
+    return bool(_HUB_ID.match(str(name))) and "--" not in name and ".." not in name
+
+
+def hub_cache_dir() -> str:
+    """The Hugging Face hub cache, read from the environment when called (as huggingface_hub
+    reads it at import): HF_HUB_CACHE, else HUGGINGFACE_HUB_CACHE, else HF_HOME/hub, else
+    $XDG_CACHE_HOME/huggingface/hub, else ~/.cache/huggingface/hub."""
+    env = os.environ
+    cache = env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE")
+    if not cache:
+        home = env.get("HF_HOME") or os.path.join(
+            env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "huggingface")
+        cache = os.path.join(os.path.expanduser(home), "hub")
+    return os.path.expanduser(cache)
+
+
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) set to 1 / true / yes / on."""
+    v = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    return v.strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def _how_to_get(repo_id: str, cache: str) -> str:
+    return (f"run `hf download {repo_id}` (huggingface_hub < 1.0: `huggingface-cli download {repo_id}`) "
+            f"on a machine with network and copy {os.path.join(cache, 'models--' + repo_id.replace('/', '--'))} "
+            f"here, or pass a local folder")
+
+
+def hub_snapshot(repo_id: str, cache_dir: Optional[str] = None, offline: Optional[bool] = None,
+                 quiet: bool = False) -> str:
+    """The local snapshot folder of hub model `repo_id` (its main revision), through the Hugging
+    Face cache: downloaded (config, tokenizer and weight files; `HUB_PATTERNS`) when the hub is
+    reachable, the cached snapshot when it is not or when HF_HUB_OFFLINE is set. HubError, one
+    line saying how to get the model, when neither works."""
+    import huggingface_hub as hub
+    from huggingface_hub import errors as hub_errors
+
+    cache = cache_dir or hub_cache_dir()
+    offline = hub_offline() if offline is None else offline
+
+    def fetch(patterns, local_only):
+        return hub.snapshot_download(repo_id, cache_dir=cache, local_files_only=local_only,
+                                     allow_patterns=list(patterns))
+
+    cached = isinstance(hub.try_to_load_from_cache(repo_id, "config.json", cache_dir=cache), str)
+    if not offline and not cached and not quiet:
+        print(f"maskahead: downloading {repo_id} from the Hugging Face hub into {cache} "
+              f"(config, tokenizer and safetensors weights)", file=sys.stderr, flush=True)
+    try:
+        path = fetch(HUB_PATTERNS, offline)
+        if not offline and not any(f.endswith(".safetensors") for f in os.listdir(path)):
+            path = fetch(HUB_PATTERNS + HUB_BIN_PATTERNS, False)  # an old repository: torch weights
+    except hub_errors.GatedRepoError:
+        raise HubError(f"model '{repo_id}' is gated on the Hugging Face hub: accept its terms at "
+                       f"https://huggingface.co/{repo_id} and log in (`hf auth login` or HF_TOKEN)") from None
+    except hub_errors.RepositoryNotFoundError:
+        raise HubError(f"no local folder {repo_id}, and no model '{repo_id}' on the Hugging Face hub (a "
+                       f"private one needs `hf auth login` or HF_TOKEN)") from None
+    except hub_errors.IncompleteSnapshotError:
+        why = "HF_HUB_OFFLINE is set" if offline else "the hub is unreachable"
+        raise HubError(f"the cached snapshot of model '{repo_id}' in {cache} is incomplete and {why}: "
+                       f"{_how_to_get(repo_id, cache)}") from None
+    except (hub_errors.LocalEntryNotFoundError, hub_errors.OfflineModeIsEnabled):
+        why = "the hub is offline (HF_HUB_OFFLINE is set)" if offline else "the hub is unreachable"
+        raise HubError(f"model '{repo_id}' is not in the Hugging Face cache ({cache}) and {why}: "
+                       f"{_how_to_get(repo_id, cache)}") from None
+    except Exception as e:  # the connection lost mid-download, the hub answering 5xx, ...
+        if isinstance(e, OSError) and not isinstance(e, (hub_errors.HfHubHTTPError, ConnectionError)):
+            raise  # a local I/O error, e.g. a full disk: as it is
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        raise HubError(f"downloading model '{repo_id}' into {cache} failed ({type(e).__name__}: {first}); "
+                       f"rerun to resume the download, or {_how_to_get(repo_id, cache)}") from e
+    return path
+
+
+def resolve_model_path(name: str, quiet: bool = False) -> str:
+    """A model folder for `name`: `name` itself when it exists (a local path always wins), else,
+    when `name` is a Hugging Face hub id ("org/name"), its snapshot folder in the Hugging Face
+    cache (`hub_snapshot`: downloaded when the hub is reachable, offline from the cache; HF_HOME,
+    HF_HUB_CACHE and HF_HUB_OFFLINE are respected). FileNotFoundError for a missing local path,
+    HubError for a hub id that cannot be had."""
+    name = os.fspath(name)
+    if os.path.exists(name):
+        return name
+    if not is_hub_id(name):
+        raise FileNotFoundError(f"no such checkpoint folder: {name}")
+    return hub_snapshot(name, quiet=quiet)
+
+
 def _np_dtype(dtype) -> Optional[np.dtype]:
     return None if dtype is None else np.dtype(jnp.dtype(dtype))
 
@@ -40,7 +154,8 @@ def read_config(path: str, family: Optional[str] = None) -> ModelConfig:
     """The ModelConfig of an HF or converted folder, with errors that name the folder.
 
     family: force the model family (see `model_config_from_hf`); a converted folder defaults to
-    the family it was converted as."""
+    the family it was converted as. A hub id is resolved first (`resolve_model_path`)."""
+    path = resolve_model_path(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"no such checkpoint folder: {path}")
     cfg_path = os.path.join(path, "config.json")
@@ -194,7 +309,11 @@ def load_model(path: str, dtype=None, progress: bool = False, mesh=None,
     mesh: optional jax Mesh or spec ("data=2,model=4"): params are loaded straight into their
     shards by the rules of `maskahead_jax.sharding` (orbax restores sharded; HF tensors are put
     leaf by leaf from host buffers).
+
+    path: a local folder, or a Hugging Face hub id ("org/name") resolved through the Hugging
+    Face cache (`resolve_model_path`; a local path that exists wins).
     """
+    path = resolve_model_path(path)
     cfg = read_config(path, family)
     shardings = _mesh_shardings(cfg, mesh)
     if is_converted(path):
@@ -243,7 +362,9 @@ def convert(src: str, dst: str, dtype=None, progress: bool = True, overwrite: bo
     `src` is read and validated in full before `dst` is touched; the result is written to a
     hidden sibling folder and renamed into place, so a failure leaves `dst` as it was.
     family: force the model family (recorded in maskahead.json, used when `dst` is loaded).
+    `src` may be a Hugging Face hub id (`resolve_model_path`).
     """
+    src = resolve_model_path(src)
     _check_paths(src, dst)
     if os.path.isdir(dst) and os.listdir(dst) and not overwrite:
         raise CheckpointError(f"destination {dst} exists and is not empty (use overwrite / --force)")
@@ -276,7 +397,8 @@ def cli_convert(argv: Optional[Sequence[str]] = None) -> int:
     """`maskahead convert SRC DST [--dtype bfloat16] [--force]`; returns the exit status."""
     ap = argparse.ArgumentParser(prog="maskahead convert",
                                  description="Convert an HF checkpoint folder to a maskahead orbax folder.")
-    ap.add_argument("src", help="HF folder (config.json + *.safetensors or pytorch_model*.bin)")
+    ap.add_argument("src", help="HF folder (config.json + *.safetensors or pytorch_model*.bin), or a Hugging "
+                                "Face hub id (org/name, through the HF cache)")
     ap.add_argument("dst", help="output folder")
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                     help="parameter dtype (default: the checkpoint's)")

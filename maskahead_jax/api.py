@@ -1,4 +1,4 @@
-"""Public entry points: Model, load_pretrained, forward."""
+"""Public entry points: Model, load_pretrained, model_folder, forward."""
 from __future__ import annotations
 
 from typing import Optional
@@ -9,11 +9,23 @@ import jax.numpy as jnp
 from .model import forward_logits
 from .model.container import Model  # re-exported: maskahead_jax.api.Model / maskahead_jax.Model
 
-__all__ = ["Model", "forward", "load_pretrained"]
+__all__ = ["Model", "forward", "load_pretrained", "model_folder"]
+
+
+def model_folder(path: str) -> str:
+    """The local folder of a model: `path` itself when it exists (a local path always wins), else
+    the snapshot folder of the Hugging Face hub id `path` ("org/name") in the Hugging Face cache,
+    downloaded when the hub is reachable, read offline from the cache otherwise (HF_HOME,
+    HF_HUB_CACHE, HF_HUB_OFFLINE respected). E.g. `load_tokenizer(model_folder("org/name"))`."""
+    from converters.load import resolve_model_path
+
+    return resolve_model_path(path)
 
 
 def load_pretrained(path: str, dtype=None, family: Optional[str] = None) -> Model:
-    """Load an HF-layout folder (config.json + safetensors / torch .bin) or a converted orbax folder.
+    """Load an HF-layout folder (config.json + safetensors / torch .bin) or a converted orbax folder,
+    or a Hugging Face hub id such as "Efficient-Large-Model/Fast_dLLM_v2_7B" (`model_folder`:
+    through the Hugging Face cache; no code from the repository is downloaded or run).
 
     family: force the model family (fast_dllm_v2, dream, sdar, dream_reasoner, llada, llada2)
     instead of the one config.json implies; a qwen2 / qwen3 config without a block-diffusion

@@ -179,10 +179,19 @@ def describe_error(e: BaseException) -> str:
 
 # ----------------------------------------------------------------------------- model, policies
 def _model_path(path: Optional[str]) -> str:
+    """The local model folder of --model: the testbed by default; a path that exists as given;
+    else a Hugging Face hub id ("org/name") resolved through the Hugging Face cache (downloaded
+    when the hub is reachable, offline from the cache; converters.load.resolve_model_path)."""
     path = path or TESTBED
-    if not os.path.isdir(path):
-        raise CLIError(f"model folder not found: {path}")
-    return path
+    if os.path.isdir(path):
+        return path
+    if os.path.exists(path):
+        raise CLIError(f"--model {path} is a file; expected a model folder or a hub id (org/name)")
+    from converters.load import is_hub_id, resolve_model_path
+
+    if not is_hub_id(path):
+        raise CLIError(f"model folder not found: {path} (a Hugging Face hub id has the form org/name)")
+    return resolve_model_path(path)  # HubError: one line saying how to get the model
 
 
 def _null_fields(path: str) -> str:
@@ -269,10 +278,39 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see `{self.prog} -h`)\n")
 
 
+def _policy_names() -> str:
+    """The registered policy names (plugins included when they import), for --help."""
+    from . import policies
+
+    try:
+        return ", ".join(policies.names())
+    except Exception:  # a plugin that cannot be imported is reported when a policy is looked up
+        from .policies import registry
+
+        return ", ".join(sorted(registry._REGISTRY))
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    def v(dist):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            return "unknown (not installed)"
+
+    return f"maskahead-jax {v('maskahead-jax')} (jax {v('jax')})"
+
+
+MODEL_HELP = ("model folder (HF layout or `maskahead convert`ed), or a Hugging Face hub id such as "
+              "Efficient-Large-Model/Fast_dLLM_v2_7B (through the HF cache: downloaded when the hub is "
+              "reachable, from the cache offline / with HF_HUB_OFFLINE=1; HF_HOME, HF_HUB_CACHE respected; "
+              "a local path that exists wins)")
+
+
 def _add_model(p, default_testbed=True):
     p.add_argument("--model", default=None,
-                   help="model folder (HF layout or converted); default: the shipped testbed" if default_testbed
-                   else "model folder")
+                   help=MODEL_HELP + ("; default: the shipped testbed" if default_testbed else ""))
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--family", default=None, choices=sorted(FAMILY_DEFAULTS),
                    help="force the model family (default: from config.json; a plain autoregressive "
@@ -299,6 +337,8 @@ def _init_mesh(args) -> None:
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="maskahead", description=__doc__, epilog=EXIT_STATUS,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--version", action="version", version=_version())
+    known = _policy_names()
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("convert", add_help=False, help="HF checkpoint -> orbax folder (see `maskahead convert -h`)")
 
@@ -308,14 +348,14 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", help="prompt text (encoded with the model folder's tokenizer)")
     src.add_argument("--ids", help="prompt token ids, comma-separated")
     g.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
-    g.add_argument("--policy", default="dense")
+    g.add_argument("--policy", default="dense", help=f"KV-cache policy, one of: {known}")
     g.add_argument("--capacity", type=_capacity, default=10.0, help="KV capacity, %% of tokens seen")
     g.add_argument("--max-new-tokens", type=_pos_int, default=32)
     _add_mesh(g)
 
     e = sub.add_parser("eval", help="policies x budgets sweep")
     _add_model(e)
-    e.add_argument("--policies", default="dense,maskahead")
+    e.add_argument("--policies", default="dense,maskahead", help=f"comma-separated, from: {known}")
     e.add_argument("--capacity", default="10", help="comma-separated %% budgets, e.g. 5,10,20")
     e.add_argument("--out", required=True, help="output folder (results.jsonl, summary.md/json, *.png)")
     e.add_argument("--batch-size", type=_pos_int, default=8)
@@ -351,14 +391,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=_pos_int, default=1024)
     p.add_argument("--out-len", type=_pos_int, default=256)
     p.add_argument("--batch", default="1", help="batch sizes, comma-separated")
-    p.add_argument("--policies", default="dense,maskahead,q-maskahead")
+    p.add_argument("--policies", default="dense,maskahead,q-maskahead", help=f"comma-separated, from: {known}")
     p.add_argument("--capacity", type=_capacity, default=10.0)
     p.add_argument("--repeats", type=_pos_int, default=1)
     p.add_argument("--kv-budget-gb", type=_pos_float, default=40.0, help="KV memory budget for serving capacity")
     _add_mesh(p)
     p.add_argument("--max-positions", type=_pos_int, default=None,
                    help="override the model's max_position_embeddings (timing runs beyond the trained range)")
-    p.add_argument("--out", default=None, help="also write the JSON to this file (atomically)")
+    p.add_argument("--out", default=None, help="write the full result as JSON to this file (atomically); "
+                                                "stdout gets a table")
+    p.add_argument("--json", action="store_true", help="print the JSON on stdout instead of the table")
 
     d = sub.add_parser("demo", help="testbed needle prompts: dense vs MaskAhead side by side")
     d.add_argument("--tasks", default="passkey,multikey",
@@ -367,7 +409,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--depths", default="0.25,0.75", help="needle depths, fractions in [0, 1]")
     d.add_argument("--capacity", type=_capacity, default=10.0)
     d.add_argument("--policy", default="maskahead",
-                   help="the policies to compare with dense, comma-separated (e.g. maskahead,q-maskahead)")
+                   help=f"the policies to compare with dense, comma-separated, from: {known}")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--policy-kw", default=None,
                    help=POLICY_KW_HELP + f". Default: {DEMO_KW} where a policy has the knob (the paper's "
@@ -379,6 +421,12 @@ DEMO_KW = "capacity_floor=128,topk_floor=32"
 
 
 # ----------------------------------------------------------------------------- commands
+def jax_backend() -> str:
+    import jax
+
+    return jax.default_backend()
+
+
 def cmd_generate(args) -> int:
     from .evaluation.datasets import load_tokenizer
     from .evaluation.policies import takes_budget
@@ -479,7 +527,9 @@ def cmd_eval(args) -> int:
         res = run_sweep(model, exs, policies, caps, args.out, tok, gen=gen, batch_size=args.batch_size,
                         max_new_tokens=args.max_new_tokens, progress=not args.no_progress, strict=args.strict,
                         plots=not args.no_plots, policy_factory=factory, bucket=bucket,
-                        meta=dict(model=path, preset=args.preset, argv=sys.argv[1:]), mesh=args.mesh,
+                        meta=dict(model=path, preset=args.preset, argv=sys.argv[1:],
+                                  **({"hub_id": args.model} if args.model and args.model != path else {})),
+                        mesh=args.mesh,
                         model_path=os.path.realpath(path), dataset=dataset)
     except KeyboardInterrupt:
         results = os.path.join(args.out, "results.jsonl")
@@ -536,15 +586,22 @@ def cmd_profile(args) -> int:
     res = PR.profile(model, args.prompt_len, args.out_len, batches, policies,
                      capacity=args.capacity, gen=gen, repeats=args.repeats, policy_kw=kw,
                      kv_budget_gb=args.kv_budget_gb, mesh=args.mesh)
-    res["model"] = label
+    res["model"] = label if args.shape or not args.model else args.model
+    if res["model"] != label:  # a hub id: where it was read from
+        res["model_folder"] = label
     res["preset"] = args.preset
     text = json.dumps(res, indent=1)
-    print(text)
     if args.out:
         from .evaluation.atomic import write_text
 
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         write_text(args.out, text)
+    if args.json:
+        print(text)
+    else:
+        print(PR.format_table(res))
+        print(f"\nJSON (every field): {args.out}" if args.out else
+              "\n(every field as JSON: --out FILE.json writes it, --json prints it instead of this table)")
     if res["skipped"]:
         for sk in res["skipped"]:
             print(f"maskahead profile: run {sk['policy']} batch {sk.get('batch')} failed: "
@@ -584,10 +641,18 @@ def cmd_demo(args) -> int:
     if len(runs) == 1:
         print("note: showing the dense cache only.")
     results = {}
+    ids = [e.ids for e in exs]
+    where = ("up to a minute on a few CPU cores" if jax_backend() == "cpu" else "seconds on an accelerator")
     for name, pol in runs:
-        ids = [e.ids for e in exs]
-        generate(model, ids, gen, pol)  # compile
-        out = generate(model, ids, gen, pol)
+        # the first call compiles (jit, once per policy and shape) and prints nothing for a while
+        print(f"[demo] compiling {name} for {len(ids)} prompt{'' if len(ids) == 1 else 's'} of {args.length} "
+              f"tokens (first call; {where})...", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        for timed in (False, True):  # one call site: a policy's BudgetWarning is shown once
+            out = generate(model, ids, gen, pol)
+            if not timed:
+                print(f"[demo] {name}: compiled and ran in {time.perf_counter() - t0:.1f}s", file=sys.stderr,
+                      flush=True)
         results[name] = out
     w = max(len(n) for n, _ in runs) + 2
     for i, e in enumerate(exs):

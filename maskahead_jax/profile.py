@@ -1,5 +1,6 @@
 """Systems profile: prefill, decode-stage and end-to-end time, peak KV memory and serving
-capacity for dense / MaskAhead / Q-MaskAhead, side by side in one run; prints JSON.
+capacity for dense / MaskAhead / Q-MaskAhead, side by side in one run: a dict (`profile`), shown
+as a table (`format_table`; `maskahead profile` prints it and writes the JSON to --out).
 
     maskahead profile --model maskahead_jax/testbed --prompt-len 8192 --out-len 256 --batch 1,8,32
     maskahead profile --shape fast-dllm-v2-7b --prompt-len 8192 --out-len 256 --batch 1,8,32
@@ -9,7 +10,8 @@ Method (same prompt replicated over the batch, fixed output length: stop at EOS 
     the median is reported;
   * prefill_s  = wall time of a run with max_new_tokens = one block (prefill + the first block;
     the jitted core has no host sync between them, so the two are not split further);
-  * e2e_s      = wall time of the full run;  decode_s = e2e_s - prefill_s;
+  * e2e_s      = wall time of the full run;  decode_s = e2e_s - prefill_s, or None with a
+    `timing_note` when timing noise makes it <= 0 (never a negative or clamped time);
   * decode_ms_per_forward = decode_s / (forwards of the full run - forwards of the prefill run);
   * decode_tok_s = generated tokens beyond the prefill run / decode_s;
   * peak KV = the engine's memory accounting (research/maskahead.md §4), summed over the batch;
@@ -87,19 +89,19 @@ def _prompt(cfg: ModelConfig, n: int, seed: int) -> list:
 def _timed(model, prompts, cfg, policy, repeats, mesh=None):
     from .generate import generate
 
-    generate(model, prompts, cfg, policy, mesh=mesh)  # compile
     times, out = [], None
-    for _ in range(max(1, repeats)):
+    for i in range(1 + max(1, repeats)):  # the first run compiles (untimed); one call site: one BudgetWarning
         t0 = time.perf_counter()
         out = generate(model, prompts, cfg, policy, mesh=mesh)
-        times.append(time.perf_counter() - t0)
+        if i:
+            times.append(time.perf_counter() - t0)
     return statistics.median(times), out
 
 
 def profile(model, prompt_len: int, out_len: int, batch_sizes: Sequence[int],
             policies: Sequence[str] = ("dense", "maskahead", "q-maskahead"), capacity: float = 10.0,
             gen: Optional[GenerationConfig] = None, repeats: int = 1, kv_budget_gb: float = 40.0,
-            seed: int = 0, log=sys.stderr, policy_kw: Optional[dict] = None, mesh=None) -> dict:
+            seed: int = 0, log=None, policy_kw: Optional[dict] = None, mesh=None) -> dict:
     """Profile every policy at every batch size; see the module docstring for the method.
 
     policy_kw: knobs as `maskahead_jax.evaluation.policies.resolve_policy_kw` takes them
@@ -108,6 +110,7 @@ def profile(model, prompt_len: int, out_len: int, batch_sizes: Sequence[int],
     (policy, batch) run that fails (e.g. out of memory) is listed under `skipped`."""
     import jax
 
+    log = sys.stderr if log is None else log  # (read when called: a redirected stderr is honoured)
     cfg: ModelConfig = model.config
     gen = gen or GenerationConfig()
     bs = gen.block_size or cfg.block_size
@@ -161,13 +164,15 @@ def profile(model, prompt_len: int, out_len: int, batch_sizes: Sequence[int],
             if p == "dense":
                 base = run
             if not ok:
-                run["warning"] = ("e2e time <= prefill-run time: timing noise (a busy machine?); "
-                                  "rerun with --repeats 3 or more")
+                run["timing_note"] = (f"e2e time {t_e2e:.4f}s <= prefill-run time {t_pre:.4f}s: timing noise "
+                                      f"(a busy machine?); decode times not reported; rerun with --repeats 3 "
+                                      f"or more")
             if base is not None:
                 run.update(speedup_decode=base["decode_s"] / dec if ok and base["decode_s"] else None,
                            speedup_e2e=base["e2e_s"] / t_e2e, speedup_prefill=base["prefill_s"] / t_pre)
             res["runs"].append(run)
-            print(f"[profile] {p} batch={b}: prefill {t_pre:.3f}s decode {dec:.3f}s e2e {t_e2e:.3f}s "
+            decode = f"{dec:.3f}s" if ok else "n/a (timing noise)"
+            print(f"[profile] {p} batch={b}: prefill {t_pre:.3f}s decode {decode} e2e {t_e2e:.3f}s "
                   f"peak KV {run['kv_peak_bytes'] / 2**20:.1f} MiB", file=log, flush=True)
     res["serving"] = serving_capacity(per_row_peak, kv_budget_gb)
     return res
@@ -190,6 +195,73 @@ def build_policies(cfg: ModelConfig, gen: GenerationConfig, policies: Sequence[s
         validate_policy(pol, cfg, resolved, label)
         pols[p] = pol
     return pols
+
+
+def _num(v, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def _bytes(v) -> str:
+    if v is None:
+        return "-"
+    for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if v >= scale:
+            return f"{v / scale:.2f} {unit}"
+    return f"{v:.0f} B"
+
+
+def _aligned(header: Sequence[str], rows: Sequence[Sequence[str]], right_from: int = 1) -> list:
+    """Plain-text columns: the first `right_from` left-aligned, the rest right-aligned."""
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(r):
+        return "  ".join(str(c).ljust(w) if i < right_from else str(c).rjust(w)
+                         for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+
+    return [line(header), "  ".join("-" * w for w in widths)] + [line(r) for r in rows]
+
+
+def format_table(res: dict) -> str:
+    """A profile result (`profile`'s dict) as a human-readable table: one row per (policy, batch)
+    with times, KV memory and speedups vs dense, then the serving capacity, skipped runs and
+    timing notes. "-": not measured (a decode time lost in timing noise, no dense baseline)."""
+    from .evaluation.policies import takes_budget
+
+    def label(p):
+        try:
+            budget = takes_budget(p)
+        except Exception:
+            budget = False
+        return f"{p} {res['capacity_pct']:g}%" if budget and res.get("capacity_pct") is not None else p
+
+    head = (f"maskahead profile: {res.get('model', 'model')} ({res.get('dtype')} on {res.get('device')}), "
+            f"prompt {res['prompt_len']} + {res['out_len']} new tokens, block {res.get('block_size')}, "
+            f"median of {res.get('repeats', 1)} timed run(s) after a compile run")
+    cols = ["policy", "batch", "prefill s", "decode s", "e2e s", "ms/forward", "decode tok/s", "e2e tok/s",
+            "peak KV", "final KV", "KV reduction", "decode x", "e2e x"]
+    rows = []
+    for r in res.get("runs", []):
+        rows.append([label(r["policy"]), str(r["batch"]), _num(r["prefill_s"], ".3f"), _num(r["decode_s"], ".3f"),
+                     _num(r["e2e_s"], ".3f"), _num(r["decode_ms_per_forward"], ".1f"),
+                     _num(r["decode_tok_s"], ".0f"), _num(r.get("e2e_tok_s"), ".0f"),
+                     _bytes(r["kv_peak_bytes"]), _bytes(r["kv_final_bytes"]),
+                     _num(r.get("reduction_final"), ".2f") + "x",
+                     _num(r.get("speedup_decode"), ".2f"), _num(r.get("speedup_e2e"), ".2f")])
+    out = [head, ""] + (_aligned(cols, rows, right_from=1) if rows else ["(no run finished)"])
+    serving = {k: v for k, v in res.get("serving", {}).items() if isinstance(v, dict)}
+    if serving:
+        srows = [[label(p), _bytes(v["per_row_peak_bytes"]), str(v["max_batch"]),
+                  _num(v.get("vs_dense"), ".2f") + ("x" if v.get("vs_dense") is not None else "")]
+                 for p, v in serving.items()]
+        out += ["", f"serving capacity in {res['serving']['kv_budget_gb']:g} GiB of KV "
+                    f"(peak KV per row; rows scale linearly):"]
+        out += _aligned(["policy", "peak KV / row", "max batch", "vs dense"], srows)
+    notes = [f"{r['policy']} batch {r['batch']}: {r['timing_note']}" for r in res.get("runs", [])
+             if r.get("timing_note")]
+    notes += [f"{sk['policy']} batch {sk.get('batch')} skipped: {sk['reason']}" for sk in res.get("skipped", [])]
+    if notes:
+        out += [""] + [f"note: {n}" for n in notes]
+    return "\n".join(out)
 
 
 def serving_capacity(per_row_peak_bytes: dict, kv_budget_gb: float) -> dict:
