@@ -53,7 +53,7 @@ def main(argv=None):
         model=a.model, policy=a.policy, capacity=a.capacity, batch=a.batch, prompt_len=a.prompt_len,
         gen_len=a.gen_len, compile_s=t["compile_s"], prefill_s=t["prefill_s"], decode_s=t["decode_s"],
         total_s=t["total_s"], tokens_per_s=n_tok / t["total_s"],
-        decode_tokens_per_s=n_tok / max(t["decode_s"], 1e-9), nfe=s["nfe_batch"],
+        decode_tokens_per_s=n_tok / t["decode_s"] if t["decode_s"] else None, nfe=s["nfe_batch"],
         tokens_per_forward=s["tokens_per_forward"], kv_bytes_peak=max(s["kv_bytes_peak"]),
         kv_bytes_final=max(s["kv_bytes_final"]), dense_bytes_final=max(s["dense_bytes_final"]),
         reduction_final=float(np.mean(s["reduction_final"])),

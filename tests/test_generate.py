@@ -99,7 +99,8 @@ def test_bench_generate_prints_json(capsys):
     bench_generate.main(["--prompt-len", "40", "--gen-len", "8", "--policy", "maskahead"])
     res = json.loads(capsys.readouterr().out)
     assert res["nfe"] > 0 and res["tokens_per_s"] > 0 and res["kv_bytes_peak"] > 0
-    assert res["compile_s"] > 0 and res["decode_s"] >= 0
+    # decode = end to end - prefill: None (with a note) when timing noise makes it non-positive
+    assert res["compile_s"] > 0 and (res["decode_s"] is None or res["decode_s"] > 0)
 
 
 def test_sampling_is_seeded_and_differs_from_greedy():

@@ -48,3 +48,14 @@ def test_custom_tokenizer_without_tokenizer_json_is_an_error(tmp_path):
     with pytest.raises(ValueError, match="auto_map.*no tokenizer.json"):
         mj.load_tokenizer(str(tmp_path))
     assert not marker.exists()
+
+
+def test_missing_folder_is_an_error_not_the_testbed_tokenizer(tmp_path):
+    """A mistyped path used to give the testbed tokenizer silently; a folder with no tokenizer
+    files still falls back to it, with a warning."""
+    from maskahead_jax.evaluation.datasets import load_tokenizer
+
+    with pytest.raises(FileNotFoundError, match="no such checkpoint folder"):
+        load_tokenizer(str(tmp_path / "typo"))
+    with pytest.warns(UserWarning, match="holds no tokenizer"):
+        assert load_tokenizer(str(tmp_path)).name == "testbed"

@@ -175,6 +175,10 @@ def load_tokenizer(model_dir: Optional[str] = None) -> Tokenizer:
     """
     from ..tasks import get_tokenizer
 
+    if model_dir and not os.path.isdir(model_dir):
+        from converters.load import resolve_model_path  # a hub id: its cached snapshot folder
+
+        model_dir = resolve_model_path(model_dir, quiet=True)
     if model_dir and os.path.isdir(model_dir):
         config_path = os.path.join(model_dir, "tokenizer_config.json")
         if os.path.exists(config_path):
@@ -200,6 +204,8 @@ def load_tokenizer(model_dir: Optional[str] = None) -> Tokenizer:
         path = os.path.join(model_dir, "tokenizer.json")
         if os.path.exists(path):
             return Tokenizer(get_tokenizer(os.path.abspath(path)), name=path)
+        warnings.warn(f"{model_dir} holds no tokenizer (tokenizer.json / tokenizer_config.json): "
+                      f"using the testbed tokenizer", stacklevel=2)
     return Tokenizer(get_tokenizer(), name="testbed")
 
 
