@@ -9,12 +9,18 @@ pad ids, threshold, block size) from the config where it says so and from the fa
 
 A qwen2 / qwen3 config with no block-diffusion marker is a plain autoregressive model and is
 refused with a ConfigError, unless the family is forced (`family=`).
+
+`model_type: "Dream"` names both Dream-v0 (Qwen2 layout: q/k/v bias, no q/k norm) and
+DreamReasoner (Qwen3 layout: per-head q/k RMSNorm, no bias). `dream_variant` tells them apart: an
+explicit q/k-norm flag in the config first, then the checkpoint's own tensor names when the caller
+can list them (`keys=`; `checkpoint_keys(folder)` reads only the safetensors headers / index),
+then Qwen3's `attention_bias: false`; with none of these the config is read as Dream-v0.
 """
 from __future__ import annotations
 
 import json
 import os
-from typing import Any, Optional
+from typing import Any, Callable, Iterable, Optional, Union
 
 from maskahead_jax.config import FAMILY_DEFAULTS, ConfigError, ModelConfig
 
@@ -40,13 +46,18 @@ _AR_BACKBONES = ("qwen2", "qwen3")
 _DIFFUSION_KEYS = ("bd_size", "block_size", "mask_token_id", "family")
 _DIFFUSION_NAMES = ("dllm", "sdar", "dream", "llada", "diffusion")
 
+Keys = Union[Iterable[str], Callable[[], Optional[Iterable[str]]], None]
 
-def model_config_from_hf(hf: dict[str, Any], family: Optional[str] = None, **overrides) -> ModelConfig:
+
+def model_config_from_hf(hf: dict[str, Any], family: Optional[str] = None, keys: Keys = None,
+                         **overrides) -> ModelConfig:
     """Build a ModelConfig from a Hugging Face `config.json` dict of any supported family.
 
     family: force the family (its defaults) instead of the one the config implies; needed
     for a qwen2 / qwen3 config without a block-diffusion marker, which is otherwise refused
     as a plain autoregressive model.
+    keys: the checkpoint's tensor names (or a function returning them, called only when the
+    config is ambiguous: a "Dream" config without a q/k-norm flag, see `dream_variant`).
     overrides: ModelConfig fields set last (before the config is validated)."""
     mt = str(hf.get("model_type", "")).lower()
     if mt not in MODEL_TYPES:
@@ -64,18 +75,68 @@ def model_config_from_hf(hf: dict[str, Any], family: Optional[str] = None, **ove
                 f"family: load_pretrained(path, family={family!r}) or --family {family}")
     if family not in FAMILY_DEFAULTS:
         raise ConfigError(f"unknown family {family!r}; supported: {sorted(FAMILY_DEFAULTS)}")
+    if family == "dream":  # also a forced family="dream" on a Qwen3-layout config
+        family = "dream_reasoner" if layout == "qwen3" else dream_variant(hf, keys)
     kw = _llada_fields(hf, family) if layout == "llada" else _qwen_fields(hf, family, layout)
     return _with_family_defaults(kw, hf, overrides)
 
 
 def model_config_from_file(path: str, family: Optional[str] = None, **overrides) -> ModelConfig:
-    """Read `config.json` (or a folder holding one); see `model_config_from_hf`."""
+    """Read `config.json` (or a folder holding one); see `model_config_from_hf`. The tensor names
+    of the folder's safetensors settle an ambiguous "Dream" config (`checkpoint_keys`)."""
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
     if not os.path.exists(path):
         raise FileNotFoundError(f"no config.json at {path}")
     with open(path) as f:
-        return model_config_from_hf(json.load(f), family=family, **overrides)
+        hf = json.load(f)
+    folder = os.path.dirname(os.path.abspath(path))
+    return model_config_from_hf(hf, family=family, keys=lambda: checkpoint_keys(folder), **overrides)
+
+
+def checkpoint_keys(folder: str) -> Optional[list[str]]:
+    """The tensor names of an HF folder's safetensors weights, without reading any tensor: the
+    `weight_map` of model.safetensors.index.json, else the header of every *.safetensors file
+    (`safetensors.safe_open(...).keys()`). None when there are no safetensors (torch .bin, a
+    converted folder) or they cannot be read (the weight loader reports that, with its reasons)."""
+    index = os.path.join(folder, "model.safetensors.index.json")
+    try:
+        if os.path.exists(index):
+            with open(index) as f:
+                return sorted(json.load(f)["weight_map"])
+        files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+        if not files:
+            return None
+        from safetensors import safe_open
+
+        names: list[str] = []
+        for name in files:
+            with safe_open(os.path.join(folder, name), framework="numpy") as st:
+                names.extend(st.keys())
+        return names
+    except Exception:  # noqa: BLE001 - unreadable here means: decide without the names
+        return None
+
+
+def dream_variant(hf: dict[str, Any], keys: Keys = None) -> str:
+    """"dream" (Dream-v0: Qwen2 layout) or "dream_reasoner" (Qwen3 layout) for a "Dream" config.
+
+    In order: the config's own q/k-norm flag (`use_qk_norm` / `qk_norm`); the checkpoint's tensor
+    names (`*.self_attn.q_norm.weight` / `k_norm` -> DreamReasoner, `*.self_attn.q_proj.bias` ->
+    Dream-v0); Qwen3's `attention_bias: false` (Dream-v0 has q/k/v biases); else Dream-v0."""
+    for flag in ("use_qk_norm", "qk_norm"):
+        if hf.get(flag) is not None:
+            return "dream_reasoner" if hf[flag] else "dream"
+    names = keys() if callable(keys) else keys
+    if names is not None:
+        names = list(names)
+        if any(k.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")) for k in names):
+            return "dream_reasoner"
+        if any(k.endswith(("self_attn.q_proj.bias", "self_attn.k_proj.bias")) for k in names):
+            return "dream"
+    if hf.get("attention_bias") is False:
+        return "dream_reasoner"
+    return "dream"
 
 
 def has_diffusion_marker(hf: dict[str, Any]) -> bool:
@@ -94,8 +155,6 @@ def _qwen_fields(hf: dict[str, Any], family: str, layout: str) -> dict[str, Any]
     if hidden is None or heads is None:
         raise ConfigError("config.json lacks hidden_size / num_attention_heads")
     head_dim = g("head_dim") or hidden // heads
-    if family == "dream" and (g("use_qk_norm") or layout == "qwen3"):
-        family = "dream_reasoner"
     qk_norm = layout in ("qwen3", "llada2") and g("use_qk_norm", True)
     if family == "dream_reasoner" and layout == "qwen2":
         layout, qk_norm = "qwen3", True

@@ -11,8 +11,24 @@ fill this step:
   dream_reasoner  as dynamic, and the last scheduled step accepts everything left.
   llada           top-k by confidence on the fixed per-block schedule.
 
-The schedule splits the block's initial mask count M over S steps (M // S each, +1 for the first
-M % S steps), never less than one token while masks remain. Ties break to the lowest index.
+The schedule splits a count N over the S = steps_per_block steps (N // S each, +1 for the first
+N % S steps); a step never commits less than one token while masks remain, nor more than the
+masks left. N is the rule's own (`SCHEDULE_BASIS`):
+
+  "block"  N = block size: SDAR's `get_num_transfer_tokens(block_length, steps)`, LLaDA2.0's
+           `_get_num_transfer_tokens(block_length, steps)`, and the released MaskAhead drivers of
+           SDAR / DreamReasoner (`get_num_transfer_tokens(block, steps)`). Rules dynamic and
+           dream_reasoner.
+  "masks"  N = the block's masks at its first step: LLaDA's `get_num_transfer_tokens(mask_index,
+           steps)`. Rule llada.
+
+They agree when S = block size (one token per step) and differ when S < block size and the
+block starts with prompt tokens: block 8, S 4 and 3 prompt tokens, nothing above the threshold,
+commit 2, 2, 1 (then done) under "block" and 2, 1, 1, 1 under "masks". Not reproduced from SDAR's own generate.py: when the top-k
+fallback asks for more tokens than masks are left, its unclipped `torch.topk` also picks
+unmasked positions and overwrites them (prompt tail included) with the model's guess; LLaDA2.0
+and the released MaskAhead drivers clip the count to the masks left, as we do.
+Ties break to the lowest index.
 """
 from __future__ import annotations
 
@@ -21,11 +37,21 @@ import jax.numpy as jnp
 
 from .config import ResolvedGeneration
 
+# the count each scheduled rule splits over the steps: the block size, or the block's initial masks
+SCHEDULE_BASIS = {"dynamic": "block", "dream_reasoner": "block", "llada": "masks"}
 
-def scheduled_count(m0: jax.Array, step: jax.Array, steps: int) -> jax.Array:
-    """Tokens to commit at `step` for a block that started with m0 [B] masks."""
-    base, rem = m0 // steps, m0 % steps
+
+def scheduled_count(n: jax.Array, step: jax.Array, steps: int) -> jax.Array:
+    """Tokens to commit at `step` when n [B] tokens are split over `steps` steps."""
+    base, rem = n // steps, n % steps
     return base + (step < rem).astype(jnp.int32)
+
+
+def schedule_total(rule: str, m0: jax.Array, block_size: int) -> jax.Array:
+    """The count N [B] that `rule` splits over the steps (see SCHEDULE_BASIS)."""
+    if SCHEDULE_BASIS[rule] == "block":
+        return jnp.full_like(m0, block_size)
+    return m0
 
 
 def propose(logits: jax.Array, gen: ResolvedGeneration, key, mask_id: int):
@@ -52,7 +78,11 @@ def propose(logits: jax.Array, gen: ResolvedGeneration, key, mask_id: int):
 
 
 def commit(x, logits, step, m0, active, gen: ResolvedGeneration, mask_id: int, key):
-    """One denoising step: returns the block with the chosen masked positions filled."""
+    """One denoising step: returns the block with the chosen masked positions filled.
+
+    x [B, Bs] the block, logits [B, Bs, V] aligned to it, step the block's step index (0 first),
+    m0 [B] the block's masks at step 0 (read by the "masks" schedule), active [B] rows still
+    decoding."""
     b, bs = x.shape
     masked = (x == mask_id) & active[:, None]
     xhat, conf = propose(logits, gen, key, mask_id)
@@ -69,7 +99,8 @@ def commit(x, logits, step, m0, active, gen: ResolvedGeneration, mask_id: int, k
         best = jax.nn.one_hot(jnp.argmax(c, axis=-1), bs, dtype=bool) & (n_cand > 0)[:, None]
         take = (cand & (conf > gen.threshold)) | best
     else:
-        k = jnp.minimum(jnp.maximum(scheduled_count(m0, step, gen.steps_per_block), 1), n_cand)
+        n = schedule_total(gen.commit_rule, m0, bs)
+        k = jnp.minimum(jnp.maximum(scheduled_count(n, step, gen.steps_per_block), 1), n_cand)
         order = jnp.argsort(-c, axis=-1, stable=True)
         rank = jnp.argsort(order, axis=-1, stable=True)
         topk = cand & (rank < k[:, None])

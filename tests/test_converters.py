@@ -481,3 +481,79 @@ def test_plain_qwen2_folder_refused_then_forced(tmp_path, capsys):
         m = mj.Model(m.config.replace(block_size=hf.BLOCK), m.params)
         got = np.asarray(mj.forward(m, toks, attention="block_causal"))
         assert np.abs(got - hf.torch_logits(model, toks, "block_causal")).max() <= 1e-4
+
+
+# ------------------------------------------------------------------ "Dream": Dream-v0 or DreamReasoner
+
+
+def _as_dream_config(case, drop=("attention_bias", "use_qk_norm", "qk_norm")) -> dict:
+    """Rewrite a saved tiny folder's config.json as a "Dream" one with no q/k-norm flag (and, by
+    default, no Qwen3 `attention_bias` either): the ambiguous case of issue 37."""
+    path = os.path.join(case.path, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg = {k: v for k, v in cfg.items() if k not in drop}
+    cfg.update(model_type="Dream", architectures=["DreamModel"])
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    return cfg
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "sharded"])
+def test_dream_reasoner_folder_is_told_apart_by_its_key_names(tmp_path, fmt):
+    """Qwen3 weights (q_norm / k_norm, no bias) under a "Dream" config.json without a q/k-norm
+    flag: read as DreamReasoner from the safetensors headers (or the shard index), loads, and its
+    logits match the torch model's."""
+    from converters.hf_config import checkpoint_keys, dream_variant, model_config_from_file
+
+    case = hf.qwen3(str(tmp_path / "src"), seed=31)
+    if fmt == "sharded":
+        sd = dict(case.model.state_dict())
+        with open(os.path.join(case.path, "config.json")) as f:
+            hf.write_checkpoint(str(tmp_path / "m"), sd, json.load(f), fmt="sharded")
+        case = hf.Case("qwen3", case.model, str(tmp_path / "m"))
+    cfg = _as_dream_config(case)
+    keys = checkpoint_keys(case.path)
+    assert "model.layers.0.self_attn.q_norm.weight" in keys and not any(k.endswith(".bias") for k in keys)
+    assert dream_variant(cfg) == "dream"  # the config alone says nothing: Dream-v0, as before
+    assert dream_variant(cfg, keys) == "dream_reasoner"
+    for c in (model_config_from_file(case.path), mj.load_pretrained(case.path).config):
+        assert (c.family, c.layout, c.qk_norm, c.qkv_bias) == ("dream_reasoner", "qwen3", True, False)
+        assert (c.attention, c.logits_shift, c.commit_rule) == ("block_causal", False, "dream_reasoner")
+    _assert_parity(case, "block_causal")
+
+
+def test_dream_v0_folder_stays_dream_v0(tmp_path):
+    """Qwen2 weights (q/k/v bias, no q/k norm) under the same kind of "Dream" config.json."""
+    from converters.hf_config import checkpoint_keys, dream_variant
+
+    case = hf.qwen2(str(tmp_path / "m"), seed=32)
+    cfg = _as_dream_config(case)
+    assert dream_variant(cfg, checkpoint_keys(case.path)) == "dream"
+    m = _assert_parity(case, "bidirectional")
+    c = m.config
+    assert (c.family, c.layout, c.qk_norm, c.qkv_bias) == ("dream", "qwen2", False, True)
+    assert (c.attention, c.logits_shift, c.commit_rule) == ("bidirectional", True, "llada")
+
+
+def test_dream_variant_order_of_evidence():
+    """Explicit flag > the checkpoint's key names > Qwen3's attention_bias: false > Dream-v0."""
+    from converters.hf_config import dream_variant
+
+    base = {"model_type": "Dream", "hidden_size": 64, "num_attention_heads": 4}
+    norm_keys = ["model.layers.0.self_attn.q_norm.weight", "model.layers.0.self_attn.k_norm.weight"]
+    bias_keys = ["model.layers.0.self_attn.q_proj.bias", "model.layers.0.self_attn.q_proj.weight"]
+    assert dream_variant({**base, "use_qk_norm": True}, bias_keys) == "dream_reasoner"
+    assert dream_variant({**base, "use_qk_norm": False}, norm_keys) == "dream"
+    assert dream_variant(base, norm_keys) == "dream_reasoner"
+    assert dream_variant({**base, "attention_bias": False}, bias_keys) == "dream"
+    assert dream_variant({**base, "attention_bias": False}) == "dream_reasoner"
+    assert dream_variant(base, None) == dream_variant(base, lambda: None) == "dream"
+    calls = []
+    dream_variant({**base, "qk_norm": True}, lambda: calls.append(1) or norm_keys)
+    assert calls == []  # the names are read only when the config leaves the question open
+    qwen3_like = {**SDAR_8B, "model_type": "Dream", "attention_bias": False}
+    c = model_config_from_hf(qwen3_like)
+    assert (c.family, c.layout, c.qk_norm, c.qkv_bias) == ("dream_reasoner", "qwen3", True, False)
+    c = model_config_from_hf({**FAST_DLLM_7B, "model_type": "Dream"})
+    assert (c.family, c.layout, c.qkv_bias) == ("dream", "qwen2", True)

@@ -36,9 +36,12 @@ def test_pack_bit_order_lowest_bits_first():
 
 
 def _bound(scale, zero, bits):
-    """scale/2 plus the fp16 rounding of the group's range (zero and qmax * scale)."""
+    """scale/2 plus the fp16 rounding of the group's range (zero and qmax * scale).
+
+    Released rule: codes from the float32 scale s and min z, so |x - (c s16 + z16)| <=
+    s/2 + c |s - s16| + |z - z16| with s <= s16 (1 + 2**-11): the s16 * 2**-12 term is s/2 - s16/2."""
     s = scale.astype(jnp.float32)
-    slack = 2.0 ** -11 * (jnp.abs(zero.astype(jnp.float32)) + (2 ** bits - 1) * s) * 1.01
+    slack = 2.0 ** -11 * (jnp.abs(zero.astype(jnp.float32)) + (2 ** bits - 1) * s) * 1.01 + 2.0 ** -12 * s
     return s / 2 + slack + 1e-6
 
 
@@ -174,3 +177,96 @@ def test_residual_counts_in_bytes():
     z = jnp.zeros((1, 1, 40, 128))
     q = Q.quantize_kv(z, z, 4)
     assert Q.nbytes(q) == 32 * 160 + 8 * 512
+
+
+# --------------------------------------------------------------------------- the released rounding rule
+
+
+def _released_numpy(x, axis, bits):
+    """The released Triton kernels (quantize_key_groups_kernel / quantize_values_kernel), in numpy:
+    float32 min and scale = max((max - min) / qmax, 1e-8), codes clip(floor((x - min) / scale + 0.5)),
+    and only then float16 storage of scale and min. x [..., groups over `axis`]."""
+    x = np.asarray(x, np.float32)
+    lo, hi = x.min(axis, keepdims=True), x.max(axis, keepdims=True)
+    qmax = np.float32(2 ** bits - 1)
+    scale = np.maximum((hi - lo) / qmax, np.float32(1e-8))
+    codes = np.clip(np.floor((x - lo) / scale + np.float32(0.5)), 0, qmax).astype(np.uint8)
+    return codes, np.squeeze(scale, axis).astype(np.float16), np.squeeze(lo, axis).astype(np.float16)
+
+
+def _awkward(seed, shape):
+    """Random K/V: per-channel offsets, spreads over six decades (fp16 metadata far from the fp32 one)."""
+    rng = np.random.default_rng(seed)
+    per_channel = shape[:-2] + (1, shape[-1])
+    x = rng.standard_normal(shape) * 10.0 ** rng.uniform(-3, 3, per_channel) + 3 * rng.standard_normal(per_channel)
+    return x.astype(np.float32)
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_codes_and_metadata_equal_the_released_rule(bits):
+    x = _awkward(20 + bits, (2, 4, 512, 128))
+    kc, ks, kz = jax.jit(Q.quantize_keys, static_argnums=1)(jnp.asarray(x), bits)
+    n = x.shape[-2]
+    rc, rs, rz = _released_numpy(x.reshape(2, 4, n // 32, 32, 128), -2, bits)
+    np.testing.assert_array_equal(np.asarray(Q.unpack(kc, bits)), rc.reshape(x.shape))
+    np.testing.assert_array_equal(np.asarray(ks), rs)
+    np.testing.assert_array_equal(np.asarray(kz), rz)
+    vc, vs, vz = jax.jit(Q.quantize_values, static_argnums=1)(jnp.asarray(x), bits)
+    rc, rs, rz = _released_numpy(x.reshape(2, 4, n, 4, 32), -1, bits)
+    np.testing.assert_array_equal(np.asarray(Q.unpack(vc, bits)), rc.reshape(x.shape))
+    np.testing.assert_array_equal(np.asarray(vs), rs)
+    np.testing.assert_array_equal(np.asarray(vz), rz)
+    # the fixed-capacity write of the engine takes the same codes
+    cache = Q.empty((1, 2, 4), 512, 128, bits)
+    out = jax.jit(Q.write_tokens)(cache, jnp.asarray(x)[None, :, :, :256], jnp.asarray(x)[None, :, :, :256],
+                                  jnp.array([0, 256], jnp.int32))
+    rc, _, _ = _released_numpy(x[1, :, :256].reshape(4, 8, 32, 128), -2, bits)
+    got = np.asarray(Q.unpack(out.k_codes[0, 1, :, 256:], bits))
+    np.testing.assert_array_equal(got, rc.reshape(4, 256, 128))
+
+
+def test_the_stored_rule_differs_from_the_released_one_by_one_step():
+    """rounding="stored" (ours before issue 37): codes against the fp16 metadata, half to even.
+    On keys like real ones (unit noise on channel offsets) a small share of codes moves one step;
+    where the offset dwarfs the group's range the fp16 zero is off by several steps."""
+    x = _rand(30, (2, 4, 512, 128)) + _rand(31, (2, 4, 1, 128), 3.0)
+    for bits, most in ((4, 0.005), (2, 0.002)):
+        rel = Q.unpack(Q.quantize_keys(x, bits)[0], bits).astype(jnp.int32)
+        sto = Q.unpack(Q.quantize_keys(x, bits, rounding="stored")[0], bits).astype(jnp.int32)
+        diff = np.abs(np.asarray(rel - sto))
+        assert diff.max() == 1 and 0 < diff.mean() < most, diff.mean()
+    far = jnp.asarray(_awkward(32, (1, 2, 64, 128)))
+    assert int(jnp.abs(Q.unpack(Q.quantize_keys(far, 4)[0], 4).astype(jnp.int32)
+                       - Q.unpack(Q.quantize_keys(far, 4, rounding="stored")[0], 4)).max()) > 1
+    with pytest.raises(ValueError, match="rounding must be one of"):
+        Q.quantize_values(x, 4, rounding="nearest")
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_ties_round_half_up_like_floor_x_plus_half(bits):
+    """Hand-worked: a group spanning [0, qmax] has scale 1 (exact), so x = k + 1/2 is a tie:
+    floor(x + 0.5) takes k + 1 where round-half-even takes the even neighbour."""
+    qmax = 2 ** bits - 1
+    ties = [0.5, 1.5, 2.5][:qmax]
+    row = np.zeros(32, np.float32)
+    row[1], row[2:2 + len(ties)] = qmax, ties  # min 0, max qmax
+    v = jnp.asarray(row)[None]
+    codes = np.asarray(Q.unpack(Q.quantize_values(v, bits)[0], bits))[0, 2:2 + len(ties)]
+    assert codes.tolist() == [1, 2, 3][:len(ties)]
+    even = np.asarray(Q.unpack(Q.quantize_values(v, bits, rounding="stored")[0], bits))[0, 2:2 + len(ties)]
+    assert even.tolist() == [0, 2, 2][:len(ties)]
+
+
+def test_div_rn_is_ieee_division_even_by_a_broadcast_divisor():
+    rng = np.random.default_rng(3)
+    a = (rng.standard_normal(1 << 18) * 10.0 ** rng.uniform(-6, 6, 1 << 18)).astype(np.float32)
+    b = (rng.standard_normal(1 << 13) * 10.0 ** rng.uniform(-6, 6, 1 << 13)).astype(np.float32)
+    a2, b2 = a.reshape(-1, 32), b[:, None]
+    np.testing.assert_array_equal(np.asarray(jax.jit(Q.div_rn)(a2, b2)), a2 / b2)  # per-row divisor
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda a: Q.div_rn(a, 15.0))(a)), a / np.float32(15))
+    # the correction itself: from two ulps either side back to the nearest float
+    a, b = np.abs(a[:1 << 14]) + np.float32(1e-3), np.abs(b[:1 << 13]).repeat(2) + np.float32(1e-3)
+    ref = a / b
+    for d in (-2, -1, 1, 2):
+        q0 = (ref.view(np.int32) + d).view(np.float32)
+        np.testing.assert_array_equal(np.asarray(jax.jit(Q._nearest_quotient)(a, b, q0)), ref)
