@@ -29,7 +29,7 @@ from maskahead_jax.config import FAMILY_DEFAULTS, ConfigError, ModelConfig
 from maskahead_jax.model import param_shapes
 from maskahead_jax.model.container import Model
 
-from .hf_config import model_config_from_hf
+from .hf_config import checkpoint_keys, model_config_from_hf
 from .keymaps import IGNORED, build_plan, convert_tensor
 from .tensors import CheckpointError, open_tensors, weight_files
 
@@ -166,7 +166,7 @@ def read_config(path: str, family: Optional[str] = None) -> ModelConfig:
         family = _read_json(os.path.join(path, MARKER)).get("family")
     hf = _read_json(cfg_path)
     try:
-        return model_config_from_hf(hf, family=family)
+        return model_config_from_hf(hf, family=family, keys=lambda: checkpoint_keys(path))
     except (ConfigError, TypeError) as e:
         raise CheckpointError(f"{cfg_path}: {e}") from e
 
