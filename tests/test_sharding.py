@@ -298,7 +298,7 @@ def test_mp_profile_cli_reports_per_device_kv_under_seq_sharding():
     out = _run_cmd("maskahead profile --mesh seq=4",
                    [sys.executable, "-m", "maskahead_jax.cli", "profile", "--mesh", "seq=4",
                     "--prompt-len", "128", "--out-len", "64", "--batch", "1", "--policies", "dense",
-                    "--kv-budget-gb", "1"], devices=4, cwd=os.path.dirname(HERE))
+                    "--kv-budget-gb", "1", "--json"], devices=4, cwd=os.path.dirname(HERE))
     (run,) = json.loads(out)["runs"]
     assert run["kv_shards"] == 4.0
     assert run["kv_peak_bytes_per_device"] * 4 == run["kv_peak_bytes"]
