@@ -1,5 +1,6 @@
-"""Baseline policies (StreamingLLM, H2O, H2O+CAOTE, SnapKV, HERALD): end to end in generate,
-exactness at full budget, and hand-built keep sets."""
+"""Baseline policies (StreamingLLM, H2O, H2O+CAOTE, Expected Attention, DapQ, SnapKV, HERALD): end
+to end in generate, exactness at full budget, and hand-built keep sets. tests/test_released_policies.py
+checks each against the released code's rule in numpy."""
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -14,7 +15,7 @@ from maskahead_jax.policies.baselines import (CAOTE, H2O, HERALD, SnapKV, Stream
                                               max_pool_1d)
 from tiny import tiny_model
 
-NAMES = ["streaming", "streaming-bounded", "h2o", "caote", "snapkv", "herald"]
+NAMES = ["streaming", "streaming-bounded", "h2o", "caote", "ea", "dapq", "snapkv", "herald"]
 FULL = dict(capacity_pct=100, capacity_floor=4096, topk_pct=100, topk_floor=4096, dense_layers=1)
 SMALL = dict(capacity_pct=10, capacity_floor=24, topk_pct=5, topk_floor=16, dense_layers=1, sinks=2,
              recent=8, interval_blocks=2, lookahead_blocks=3)
@@ -65,7 +66,9 @@ def test_small_budget_runs_end_to_end(model, name):
         return
     seen = [70 + 32, 45 + 32]
     if name == "snapkv":  # the prompt only, once; every generated block is then kept
-        assert out.stats["evictions"] == 1
+        # released: the compression happens at the final prefill chunk (end_prefill_chunk), which
+        # `evictions` does not count (as released, whose trace counts it as prefill_evictions)
+        assert out.stats["evictions"] == 0
         for live, plen in zip(out.stats["live_entries"], (70, 45)):
             n_pre = plen // 8 * 8
             assert live <= max(pol.eviction.budget.capacity(n_pre), 0) + (32 + 8)
@@ -106,7 +109,7 @@ def test_streaming_keeps_exactly_sinks_and_newest():
 def test_streaming_bounded_evicts_while_prefilling(model):
     """After a prefill chunk the lane keeps exactly its sinks and newest entries, with no probe
     forward (no params are read); end to end, the peak stays near C + one chunk while
-    `streaming` first holds the whole prompt."""
+    `streaming` holds the whole prompt until its final chunk is stored (as released)."""
     from maskahead_jax.policies import StepContext
 
     n = 20
@@ -124,7 +127,7 @@ def test_streaming_bounded_evicts_while_prefilling(model):
     bounded = generate(model, prompts, GC, policy=make("streaming-bounded", **_knobs("streaming", SMALL)))
     plain = generate(model, prompts, GC, policy=make("streaming", **_knobs("streaming", SMALL)))
     assert max(bounded.stats["kv_bytes_peak"]) < 0.6 * max(plain.stats["kv_bytes_peak"])
-    assert bounded.tokens != plain.tokens  # the first block no longer reads the prompt's middle
+    assert bounded.tokens != plain.tokens  # `streaming` keeps the prompt's final chunk whole
 
 
 def test_h2o_keeps_highest_accumulated_mass():
@@ -133,9 +136,15 @@ def test_h2o_keeps_highest_accumulated_mass():
     pol = H2O(capacity_floor=3, sinks=0, recent=0)
     m1 = np.array([0.5, 0.0, 0.1, 0.0, 0.1, 0.1, 0.2, 0.0])
     m2 = np.array([0.0, 0.4, 0.1, 0.0, 0.3, 0.0, 0.2, 0.0])
-    obs = pol.eviction.scorer.observe
-    c = obs(obs(c, _row(m1)), _row(m2))
+    from maskahead_jax.policies import StepContext
+
+    def obs(c, m, n_queries):  # released EvictionState.observe, decay 1: g += n_queries * alpha
+        ctx = StepContext(None, None, None, None, 8, 0, n, None, mass=m, rows=jnp.arange(8)[None] < n_queries)
+        return pol.eviction.scorer.observe(c, ctx)
+
+    c = obs(obs(c, _row(m1), 1), _row(m2), 1)
     np.testing.assert_allclose(np.asarray(c.acc)[0, 0, 0], m1 + m2, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(obs(c, _row(m2), 3).acc)[0, 0, 0], m1 + 4 * m2, atol=1e-6)
     # accumulated: 0.5 0.4 0.2 0 0.4 0.1 0.4 0 -> the top 4 are 0, 1, 4, 6
     out = pol.eviction.evict(c, _row(np.zeros(n)), None, jnp.asarray([4]), 4)
     assert _kept(out) == [0, 1, 4, 6]
@@ -168,7 +177,7 @@ def test_snapkv_keeps_window_and_max_pooled_top():
     probe[5] = 1.0  # a peak: max-pooling (kernel 3 here) lifts its neighbours 4 and 6 too
     probe[9] = 0.5
     probe[12] = 0.9  # inside the window anyway
-    pol = SnapKV(capacity_floor=7, window=4, pool=3)
+    pol = SnapKV(capacity_floor=7, window=4, pool=3, sinks=0)  # released default: 4 sinks
     pooled = np.asarray(max_pool_1d(jnp.asarray(probe), 3))
     np.testing.assert_allclose(pooled[4:7], [1.0, 1.0, 1.0])
     np.testing.assert_allclose(pooled[[0, 13, 15]], [0.01, 0.9, 0.01])
@@ -179,11 +188,13 @@ def test_snapkv_keeps_window_and_max_pooled_top():
 
 
 def test_herald_pools_a_single_centre_query():
-    masked = jnp.asarray([[True] * 8, [False, False, True, True, True, True, True, False]])
-    rows = np.asarray(HERALD().stat_rows(masked, jnp.asarray([True, True])))
-    assert rows.sum(1).tolist() == [1, 1]
-    assert rows[0].argmax() == 3 and rows[1].argmax() == 4  # the median masked position
-    assert not HERALD().stat_rows(masked, jnp.asarray([False, True]))[0].any()
+    masked = jnp.asarray([[True] * 8, [False] * 5 + [True] * 3, [False] + [True] * 7])
+    rows = np.asarray(HERALD().stat_rows(masked, jnp.asarray([True, True, True])))
+    assert rows.sum(1).tolist() == [1, 1, 1]
+    # released SelectorConfig.query_indices "middle": the masked position closest to the block
+    # centre 3.5, the lower on a tie (it was the lower median of the masked positions: 3, 6, 4)
+    assert rows.argmax(1).tolist() == [3, 5, 3]
+    assert not HERALD().stat_rows(masked, jnp.asarray([False, True, True]))[0].any()
 
 
 def test_invalid_settings_are_clear_errors(model):
@@ -194,5 +205,7 @@ def test_invalid_settings_are_clear_errors(model):
         generate(model, [[1, 2]], gc, policy=make("streaming", capacity_floor=10, recent=64))
     with pytest.raises(PolicyError, match="decay"):
         generate(model, [[1, 2]], gc, policy=H2O(decay=0.0))
+    with pytest.raises(PolicyError, match="odd"):
+        generate(model, [[1, 2]], gc, policy=SnapKV(capacity_floor=64, window=8, pool=4))
     with pytest.raises(PolicyError, match="capacity_pct"):
         generate(model, [[1, 2]], gc, policy=make("h2o", capacity_pct=-5))

@@ -1,10 +1,12 @@
-"""One block of block-causal decoding: step 0 -> the policy's hook -> denoising steps -> commit.
+"""One block of block-causal decoding: step 0 -> the policy's hook -> denoising steps -> commit
+-> the policy's end-of-block hook.
 
 Step 0 forwards the block over the whole cache (exact attention) and, when the policy asks
-(`stat_rows`), returns every layer's prefix mass and value score. The policy's `on_block`
-then updates its state, chooses what the later steps read and evicts when due (its probes run
-through `ctx.forward`). The denoising steps read that selection; the commit forward appends
-the finished block's K/V.
+(`stat_rows`), returns every layer's prefix mass and value score (and, for `query_stat_rows`,
+the pre-RoPE query moments). The policy's `on_block` then updates its state, chooses what the
+later steps read and evicts when due (its probes run through `ctx.forward`). The denoising
+steps read that selection; the commit forward appends the finished block's K/V, the peak is
+taken, and `after_commit` may evict (the baselines that evict at the end of a block).
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import jax.numpy as jnp
 from ..decoding import commit, shift_logits
 from ..model import Segment, lm_head, model_step
 from ..sharding import constrain_cache
-from .state import BlockState, dense_bytes, dense_segments, full_mask
+from .state import BlockState, dense_bytes, dense_segments, full_mask, rope_last
 
 
 def _segments(cache, selection, num_layers):
@@ -43,11 +45,14 @@ def run_block(params, cfg, gen, policy, st: BlockState, x_init, ctx) -> BlockSta
 
     # ---- step 0: exact dense attention over the whole cache (+ the policy's statistics)
     rows = policy.stat_rows(x == mask_id, active)
-    out0 = model_step(params, cfg, x, pos, full_mask(b, bs), dense_segments(cache, L), rows)
+    qrows = None if rows is None else policy.query_stat_rows(rows)
+    out0 = model_step(params, cfg, x, pos, full_mask(b, bs), dense_segments(cache, L), rows, qrows)
     x0 = x
     x = commit(x, logits_of(out0.hidden), jnp.int32(0), m0, active, gen, mask_id, k0)
-    res = policy.on_block(cache, ctx._replace(active=active, due=st.due, tokens=x0, start=start,
-                                              mass=out0.mass, score=out0.score))
+    ctx = ctx._replace(active=active, due=st.due, tokens=x0, start=start, generated=st.out)
+    res = policy.on_block(cache, ctx._replace(mass=out0.mass, score=out0.score, rows=rows,
+                                              queries=out0.queries,
+                                              rope=rope_last(cfg, start + bs - 1)))
     cache = res.cache
     segs = _segments(cache, res.selection, L)
 
@@ -66,12 +71,17 @@ def run_block(params, cfg, gen, policy, st: BlockState, x_init, ctx) -> BlockSta
 
     # ---- commit forward: the finished block's K/V into the cache
     oc = model_step(params, cfg, x, pos, full_mask(b, bs), segs)
-    cache = cache.append(oc.k, oc.v, pos, jnp.where(active, bs, 0))
+    appended = jnp.where(active, bs, 0)
+    cache = cache.append(oc.k, oc.v, pos, appended)
+    peak = jnp.maximum(st.peak, policy.held_bytes(cache))  # before an end-of-block eviction
+    peak_dense = jnp.maximum(st.peak_dense, dense_bytes(cfg, cache))
     prev = jnp.where(active[:, None], lm_head(params, cfg, oc.hidden[:, -1]), st.prev)
     nfe_b = 1 + res.forwards + n_steps + 1
 
     old = jax.lax.dynamic_slice_in_dim(st.out, st.blk * bs, bs, axis=1)
     out = jax.lax.dynamic_update_slice_in_dim(st.out, jnp.where(active[:, None], x, old), st.blk * bs, axis=1)
+    cache, evicted_end = policy.after_commit(cache, ctx._replace(appended=appended, blocks_done=st.blk + 1,
+                                                                 generated=out))
     is_gen = pos >= ctx.plen[:, None]
     hit_eos = jnp.any(jnp.isin(x, jnp.asarray(cfg.eos_token_ids, jnp.int32)) & is_gen, axis=-1)
     done = st.done | (start + bs >= ctx.plen + gen.max_new_tokens) | (hit_eos & gen.stop_at_eos)
@@ -80,6 +90,5 @@ def run_block(params, cfg, gen, policy, st: BlockState, x_init, ctx) -> BlockSta
     return BlockState(
         cache=constrain_cache(cache), prev=prev, start=start + bs, blk=blk, done=done, due=due, out=out, key=key,
         nfe=st.nfe + jnp.where(active, nfe_b, 0), nfe_batch=st.nfe_batch + nfe_b,
-        peak=jnp.maximum(st.peak, policy.held_bytes(cache)),
-        peak_dense=jnp.maximum(st.peak_dense, dense_bytes(cfg, cache)),
-        evictions=st.evictions + res.evicted.astype(jnp.int32))
+        peak=peak, peak_dense=peak_dense,
+        evictions=st.evictions + res.evicted.astype(jnp.int32) + jnp.asarray(evicted_end, jnp.int32))

@@ -30,7 +30,8 @@ def block_causal_core(params, prompt, plen, key, *, cfg, gen, policy, cache_dtyp
     padded = jnp.pad(prompt, ((0, 0), (0, prompt_cap + bs - pb)), constant_values=mask_id)
     ctx = StepContext(forward=probe_forward(params, cfg), prompt=padded, plen=plen, n_pre=n_pre,
                       block_size=bs, mask_id=mask_id, capacity=cap0, active=jnp.ones((b,), bool))
-    cache = policy.empty_cache(cfg.num_layers, b, cfg.num_kv_heads, cap0, cfg.head_dim, cache_dtype)
+    cache = policy.empty_cache(cfg.num_layers, b, cfg.num_kv_heads, cap0, cfg.head_dim, cache_dtype,
+                               group_size=cfg.group_size)
     cache, last_h, peak0 = prefill(params, cfg, gen, policy, constrain_cache(cache), ctx, n_chunks)
     prev_logits = lm_head(params, cfg, last_h)
     if phase == "prefill":  # timing runs: stop after the prompt is in the cache

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 
 from .. import memory
 from ..model import Segment, model_step
+from ..model.layers import rope_tables
 
 
 class BlockState(NamedTuple):
@@ -49,6 +50,13 @@ def probe_forward(params, cfg):
         return model_step(params, cfg, tokens, positions, mask,
                           dense_segments(cache, cfg.num_layers), rows).mass
     return forward
+
+
+def rope_last(cfg, last) -> tuple:
+    """(cos, sin) [B, 2, rope_dim] at positions (last - 1, last) of each row: the RoPE phase and
+    per-position step of a forward whose last position is last [B] (ctx.rope)."""
+    pos = jnp.stack([last - 1, last], axis=-1).astype(jnp.int32)
+    return rope_tables(pos, cfg.rope_dim, cfg.rope_theta)
 
 
 def dense_bytes(cfg, cache) -> jax.Array:

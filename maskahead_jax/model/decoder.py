@@ -16,7 +16,8 @@ Params pytree (all linear kernels are [in, out]; each stack has a leading layer 
 One forward (`model_step`) runs a block of T tokens at given positions against an optional
 per-layer context (cached K/V with validity), and returns the final hidden states, the
 block's own K/V per layer (after RoPE, ready to append to a cache) and, when asked, the
-step-0 statistics of every layer (prefix-only mass and value-aware score over the context).
+step-0 statistics of every layer (prefix-only mass and value-aware score over the context) and
+the moments of the pre-RoPE queries of chosen rows (Expected Attention's query statistics).
 """
 from __future__ import annotations
 
@@ -65,11 +66,13 @@ class StepOutput(NamedTuple):
     v: jax.Array  # [L, B, Hkv, T, Dh]
     mass: Optional[jax.Array]  # [L, B, Hkv, S] when stats were requested
     score: Optional[jax.Array]  # [L, B, Hkv, S]
+    # (mean q [L, B, Hkv, G, Dh], mean q q^T [L, B, Hkv, G, Dh, Dh]) of the pre-RoPE queries of
+    # `query_rows`, per query head, when requested (float32)
+    queries: Optional[tuple] = None
 
 
-def project_qkv(p, x, cos, sin, cfg: ModelConfig):
-    """Pre-norm q/k/v of one layer, RoPE applied: q [B, Hkv, G, T, Dh], k/v [B, Hkv, T, Dh]."""
-    b, t, _ = x.shape
+def _qkv_pre_rope(p, x, cfg: ModelConfig):
+    """Pre-norm q/k/v of one layer before RoPE: q [B, T, H, Dh], k/v [B, T, Hkv, Dh]."""
     h = rms_norm(x, p["attn_norm"], cfg.rms_eps)
     q = jnp.einsum("btd,dhk->bthk", h, p["wq"])
     k = jnp.einsum("btd,dhk->bthk", h, p["wk"])
@@ -79,6 +82,26 @@ def project_qkv(p, x, cos, sin, cfg: ModelConfig):
     if cfg.qk_norm:
         q = rms_norm(q, p["q_norm"], cfg.rms_eps)
         k = rms_norm(k, p["k_norm"], cfg.rms_eps)
+    return q, k, v
+
+
+def query_moments(p, x, cfg: ModelConfig, rows):
+    """First and second moments of one layer's pre-RoPE queries over `rows` [B, T] (bool), per
+    query head: (mean q [B, Hkv, G, Dh], mean q q^T [B, Hkv, G, Dh, Dh]), float32."""
+    b, t, _ = x.shape
+    q = _qkv_pre_rope(p, x, cfg)[0].astype(jnp.float32)
+    q = q.reshape(b, t, cfg.num_kv_heads, cfg.group_size, cfg.head_dim)
+    w = rows.astype(jnp.float32)
+    w = w / jnp.maximum(w.sum(-1, keepdims=True), 1.0)
+    m1 = jnp.einsum("bt,bthgd->bhgd", w, q)
+    m2 = jnp.einsum("bt,bthgd,bthge->bhgde", w, q, q)
+    return m1, m2
+
+
+def project_qkv(p, x, cos, sin, cfg: ModelConfig):
+    """Pre-norm q/k/v of one layer, RoPE applied: q [B, Hkv, G, T, Dh], k/v [B, Hkv, T, Dh]."""
+    b, t, _ = x.shape
+    q, k, v = _qkv_pre_rope(p, x, cfg)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     qg = q.reshape(b, t, cfg.num_kv_heads, cfg.group_size, cfg.head_dim).transpose(0, 2, 3, 1, 4)
     return qg, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
@@ -113,15 +136,16 @@ def _attention_block(p, x, cos, sin, cfg: ModelConfig, ctx, blk_mask, stat_rows)
     return x + out, kb, vb, stats
 
 
-def _layer(cfg: ModelConfig, moe: bool, with_stats: bool):
+def _layer(cfg: ModelConfig, moe: bool, with_stats: bool, query_rows=None):
     def body(carry, xs):
         x, cos, sin, blk_mask, stat_rows = carry
         p, ctx = xs
+        qm = () if query_rows is None else query_moments(p, x, cfg, query_rows)
         x, kb, vb, stats = _attention_block(p, x, cos, sin, cfg, ctx, blk_mask,
                                             stat_rows if with_stats else None)
         h = rms_norm(x, p["mlp_norm"], cfg.rms_eps)
         x = x + (moe_mlp(p["moe"], h, cfg) if moe else swiglu(p["mlp"], h))
-        ys = (kb, vb) + ((stats.mass, stats.score) if with_stats else ())
+        ys = (kb, vb) + ((stats.mass, stats.score) if with_stats else ()) + tuple(qm)
         return (x, cos, sin, blk_mask, stat_rows), ys
 
     return body
@@ -141,8 +165,9 @@ def _pieces(cfg: ModelConfig, segments: Sequence[Segment]):
 
 
 def run_layers(params, cfg: ModelConfig, x, positions, blk_mask, segments: Sequence[Segment],
-               stat_rows: Optional[jax.Array] = None) -> StepOutput:
-    """Run every layer over the block x [B, T, D]; segments cover [0, L) in order."""
+               stat_rows: Optional[jax.Array] = None, query_rows: Optional[jax.Array] = None) -> StepOutput:
+    """Run every layer over the block x [B, T, D]; segments cover [0, L) in order. query_rows
+    [B, T] (bool): also return every layer's pre-RoPE query moments over those rows."""
     if segments[0].start != 0 or segments[-1].stop != cfg.num_layers or any(
             a.stop != b.start for a, b in zip(segments[:-1], segments[1:])):
         raise ValueError(f"segments must tile [0, {cfg.num_layers}) in order: {segments}")
@@ -151,7 +176,7 @@ def run_layers(params, cfg: ModelConfig, x, positions, blk_mask, segments: Seque
     with_stats = stat_rows is not None
     if stat_rows is None:
         stat_rows = jnp.zeros(x.shape[:2], bool)
-    ks, vs, ms, ss = [], [], [], []
+    ks, vs, ms, ss, q1, q2 = [], [], [], [], [], []
     for a, b, seg in _pieces(cfg, segments):
         moe = a >= nd
         stack = params["moe_layers"] if moe else params["layers"]
@@ -159,10 +184,13 @@ def run_layers(params, cfg: ModelConfig, x, positions, blk_mask, segments: Seque
         p = _slice(stack, a - off, b - off)
         ctx = None if seg.ctx is None else Context(*_slice(tuple(seg.ctx), a - seg.start, b - seg.start))
         seg_stats = with_stats and ctx is not None
-        body = _layer(cfg, moe, seg_stats)
+        body = _layer(cfg, moe, seg_stats, query_rows)
         (x, *_), ys = jax.lax.scan(body, (x, cos, sin, blk_mask, stat_rows), (p, ctx))
         ks.append(ys[0])
         vs.append(ys[1])
+        if query_rows is not None:
+            q1.append(ys[-2])
+            q2.append(ys[-1])
         if with_stats:
             if seg_stats:
                 ms.append(ys[2])
@@ -171,9 +199,10 @@ def run_layers(params, cfg: ModelConfig, x, positions, blk_mask, segments: Seque
                 raise ValueError("statistics need a context in every segment")
     h = rms_norm(x, params["final_norm"], cfg.rms_eps)
     cat = lambda xs: xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=0)
+    queries = (cat(q1), cat(q2)) if query_rows is not None else None
     if with_stats:
-        return StepOutput(h, cat(ks), cat(vs), cat(ms), cat(ss))
-    return StepOutput(h, cat(ks), cat(vs), None, None)
+        return StepOutput(h, cat(ks), cat(vs), cat(ms), cat(ss), queries)
+    return StepOutput(h, cat(ks), cat(vs), None, None, queries)
 
 
 def embed(params, tokens: jax.Array) -> jax.Array:
@@ -187,9 +216,10 @@ def lm_head(params, cfg: ModelConfig, h: jax.Array) -> jax.Array:
 
 
 def model_step(params, cfg: ModelConfig, tokens, positions, blk_mask, segments,
-               stat_rows=None) -> StepOutput:
+               stat_rows=None, query_rows=None) -> StepOutput:
     """Embed tokens [B, T] at positions [B, T] and run all layers (see run_layers)."""
-    return run_layers(params, cfg, embed(params, tokens), positions, blk_mask, segments, stat_rows)
+    return run_layers(params, cfg, embed(params, tokens), positions, blk_mask, segments, stat_rows,
+                      query_rows)
 
 
 def block_causal_mask(positions: jax.Array, block_size: int) -> jax.Array:

@@ -9,9 +9,10 @@ scorers.py, a probe from probes.py) through composed.py. `make(name, capacity_pc
 from .protocol import BlockResult, Dense, Policy, PolicyError, StepContext
 from .registry import knobs, make, names, register, takes_budget
 from .composed import ComposedPolicy
-from .maskahead import BoundedPrefillMaskAhead, MaskAhead
+from .maskahead import BoundedPrefillMaskAhead, DapQ, MaskAhead
 from .qmaskahead import QMaskAhead
 from .baselines import CAOTE, H2O, HERALD, BoundedPrefillStreamingLLM, SnapKV, StreamingLLM
+from .expected_attention import ExpectedAttention
 from .maskkv import AdaKV, MaskKV, PyramidKV
 
 
@@ -21,17 +22,20 @@ register("maskahead-noevict", MaskAhead, evict_ranking="none")
 register("mage", MaskAhead, select_ranking="mass", evict_ranking="none")
 register("maskahead-bounded", BoundedPrefillMaskAhead)
 register("q-maskahead", QMaskAhead)
+register("bitsieve-v1", QMaskAhead, select_ranking="mass", evict_ranking="none")
 register("streaming", StreamingLLM)
 register("streaming-bounded", BoundedPrefillStreamingLLM)
 register("h2o", H2O)
 register("caote", CAOTE)
 register("snapkv", SnapKV)
+register("ea", ExpectedAttention)
+register("dapq", DapQ)
 register("herald", HERALD)
 register("maskkv", MaskKV, budget_field="budget_pct", entries_field="budget_per_head")
 register("pyramidkv", PyramidKV, budget_field="budget_pct", entries_field="budget_per_head")
 register("adakv", AdaKV, budget_field="budget_pct", entries_field="budget_per_head")
 
 __all__ = ["AdaKV", "BlockResult", "BoundedPrefillMaskAhead", "BoundedPrefillStreamingLLM", "CAOTE",
-           "ComposedPolicy", "Dense", "H2O", "HERALD", "MaskAhead", "MaskKV", "Policy", "PolicyError",
+           "ComposedPolicy", "DapQ", "Dense", "ExpectedAttention", "H2O", "HERALD", "MaskAhead", "MaskKV", "Policy", "PolicyError",
            "PyramidKV", "QMaskAhead", "SnapKV", "StepContext", "StreamingLLM", "knobs", "make", "names",
            "register", "takes_budget"]

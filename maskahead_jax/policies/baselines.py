@@ -1,20 +1,29 @@
 """Eviction / selection baselines of the released MaskAhead code (research/maskahead.md §6
-"Baselines"). Every one composes MaskAhead's value-aware selector (step-0 a_i * ||v_i - c||,
-top-k per (layer, batch, KV head)) with an eviction part of its own; they share the budget
-C = max(floor(capacity_pct% * seen), capacity_floor), the schedule (every `interval_blocks`
-blocks, deferred to step 0 of the next block) and the compaction. Only the ranking differs:
+"Baselines"). Every evicting one composes MaskAhead's value-aware selector (step-0
+a_i * ||v_i - c||, top-k per (layer, batch, KV head)) with an eviction part of its own; they
+share the budget C = max(floor(capacity_pct% * seen), capacity_floor) and the compaction, and
+evict when the released session does (runtime/session.py `end_prefill_chunk`, `end_block`; the
+"end_of_block" timing of policies/eviction.py): the prompt is compressed at its final prefill
+chunk, to C(tokens seen before that chunk), before the chunk is admitted (the chunk survives
+whole), and every `interval_blocks` blocks right after the commit forward's append. Only
+MaskAhead (and DapQ, a lookahead variant) defer to the next block's step 0. The rankings:
 
   streaming  StreamingLLM: sinks + the most recent entries (score = position)
   streaming-bounded  StreamingLLM as it streams: the same ranking also applied after every
              prefill chunk, so the middle of the prompt is gone before the question is read
-  h2o        H2O: per-entry accumulated step-0 attention mass (EMA decay 1), kept in cache.acc
+  h2o        H2O: per-entry accumulated attention, kept in cache.acc: every block's step 0 adds
+             (its mask queries) x (their pooled mass), every prefill chunk after the first
+             (its tokens) x (their pooled mass over the cache before it)
   caote      H2O + CAOTE: h_i/(1-h_i) * ||v_i - o||, h = accumulated mass normalised per lane,
              o = sum h_i v_i
-  snapkv     SnapKV, prompt-only: once after prefill, the last `window` (32) prompt queries vote,
-             scores max-pooled over `pool` (5) neighbouring positions; the window is kept;
-             no later evictions
-  herald     HERALD-like: the selection statistics come from a single centre mask query; no
-             eviction (so no budget)
+  ea         Expected Attention (policies/expected_attention.py)
+  snapkv     SnapKV, prompt-only: at the final prefill chunk, after it is admitted, the last
+             `window` (32) prompt queries vote over the whole prompt, scores max-pooled over
+             `pool` (5) neighbouring positions; the window and 4 sinks are kept; no later
+             evictions
+  herald     HERALD-like: the selection ranks by the mass of the single masked query closest to
+             the block centre (mass only, as released configs/herald.yaml); no eviction (so no
+             budget)
 """
 from __future__ import annotations
 
@@ -51,8 +60,8 @@ class SelectKnobs:
 
 @dataclasses.dataclass(frozen=True)
 class ScheduledEviction(SelectKnobs, ComposedPolicy):
-    """Selector + an eviction every `interval_blocks` blocks to C(seen), keeping sinks + recent;
-    a subclass names its scorer (and its probe, if any)."""
+    """Selector + an eviction to C(seen) at the end of every `interval_blocks`-th block (and at
+    the prompt's final prefill chunk), keeping sinks + recent; a subclass names its scorer."""
 
     capacity_pct: float = 10.0
     capacity_floor: int = 512
@@ -66,8 +75,8 @@ class ScheduledEviction(SelectKnobs, ComposedPolicy):
 
     @property
     def eviction(self) -> Eviction:
-        return Eviction(budget_of(self), self.scorer(),
-                        ForcedKeeps(self.sinks, self.recent), interval_blocks=self.interval_blocks)
+        return Eviction(budget_of(self), self.scorer(), ForcedKeeps(self.sinks, self.recent),
+                        interval_blocks=self.interval_blocks, timing="end_of_block")
 
     def validate(self, cfg, gen) -> None:
         self.check_selector()
@@ -89,11 +98,10 @@ class StreamingLLM(ScheduledEviction):
 
 @dataclasses.dataclass(frozen=True)
 class BoundedPrefillStreamingLLM(StreamingLLM):
-    """StreamingLLM that evicts during chunked prefill too, as StreamingLLM itself does (it never
-    holds more than its sinks and window). `streaming` defers the prompt's compression to step 0
-    of the first block, so a one-token answer committed at that step still reads the whole
-    prompt; this one shows what keeping the recent window alone loses. No probe forward (the
-    ranking is by position), nothing pinned."""
+    """StreamingLLM that evicts after every prefill chunk too, as StreamingLLM itself does (it
+    never holds more than its sinks and window). `streaming` compresses the prompt once, at its
+    final chunk (as released), so it holds the whole prompt but that chunk until then; this one
+    bounds the prefill peak too. No probe forward (the ranking is by position), nothing pinned."""
 
     name = "streaming-bounded"
 
@@ -128,25 +136,30 @@ class CAOTE(H2O):
 
 @dataclasses.dataclass(frozen=True)
 class SnapKV(SelectKnobs, ComposedPolicy):
-    """Prompt-only compression after prefill, voted by the last `window` prompt queries; the
-    window and the first `sinks` positions are kept."""
+    """Prompt-only compression at the final prefill chunk, voted by the last `window` prompt
+    queries over the whole prompt; the window and the first `sinks` positions are kept. Released,
+    a prompt whose block-aligned part fits in one prefill chunk is never compressed (its only
+    chunk goes through the model's own prefill, which scores nothing); ours compresses every
+    prompt at its final chunk."""
 
     name = "snapkv"
     capacity_pct: float = 10.0
     capacity_floor: int = 512
     window: int = 32
     pool: int = 5
-    sinks: int = 0
+    sinks: int = 4  # released configs/snapkv.yaml sink_tokens: 4
     capacity_entries: int = 0  # > 0: an absolute budget of KV entries per lane
 
     @property
     def eviction(self) -> Eviction:
-        return Eviction(budget_of(self), PooledVote(self.pool),
-                        ForcedKeeps(self.sinks, self.window), probe=PromptWindow(self.window))
+        return Eviction(budget_of(self), PooledVote(self.pool), ForcedKeeps(self.sinks, self.window),
+                        probe=PromptWindow(self.window), timing="end_of_block", admit_final_first=True)
 
     def validate(self, cfg, gen) -> None:
         self.check_selector()
         check_positive(window=self.window, pool=self.pool)
+        if self.pool % 2 == 0:
+            raise PolicyError(f"pool must be odd (a centred max-pool, as released), got {self.pool}")
         if self.sinks < 0:
             raise PolicyError(f"sinks must be >= 0, got {self.sinks}")
         check_budget(self, self.window + self.sinks, "window + sinks")
@@ -154,14 +167,15 @@ class SnapKV(SelectKnobs, ComposedPolicy):
 
 @dataclasses.dataclass(frozen=True)
 class HERALD(SelectKnobs, ComposedPolicy):
-    """Selection statistics from the single centre mask query of the block; no eviction."""
+    """Selection by the mass of the single masked query closest to the block centre; no
+    eviction (released configs/herald.yaml: selector mode middle, value_aware off)."""
 
     name = "herald"
     takes_budget: ClassVar[bool] = False
 
     @property
     def selector(self) -> Selector:
-        return dataclasses.replace(super().selector, rows="centre")
+        return dataclasses.replace(super().selector, ranking="mass", rows="centre")
 
     def validate(self, cfg, gen) -> None:
         self.check_selector()

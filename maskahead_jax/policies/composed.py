@@ -7,8 +7,9 @@ topk_floor=256)`) and says how they compose by two properties:
     eviction -> eviction.Eviction or None    (None: nothing is ever evicted)
 
 `ComposedPolicy` then implements the protocol (policies/protocol.py): statistics are computed
-when either part reads them, the scorer's state is updated at every block, the block reads
-the selector's choice of the pre-eviction cache, and the eviction runs when due.
+when either part reads them, the scorer's state is updated at every block (and prefill chunk,
+when it asks), the block reads the selector's choice of the pre-eviction cache, and the
+eviction runs when due: at step 0 (the deferred timing) or after the commit (end_of_block).
 """
 from __future__ import annotations
 
@@ -46,13 +47,25 @@ class ComposedPolicy(Policy):
         sel, ev = self.selector, self.eviction
         if sel is not None:
             return sel.stat_rows(masked, active)
-        if ev is not None and ev.scorer.reads_mass:
+        if ev is not None and (ev.scorer.reads_mass or ev.scorer.reads_queries):
             return masked_rows(masked, active)
         return None  # nobody reads step-0 statistics: step 0 computes none
+
+    def prefill_stat_rows(self, valid):
+        ev = self.eviction
+        return valid if ev is not None and ev.scorer.observes_prefill else None
+
+    def query_stat_rows(self, rows):
+        ev = self.eviction
+        return rows if ev is not None and ev.scorer.reads_queries else None
 
     def on_prefill_chunk(self, cache, ctx: StepContext):
         ev = self.eviction
         return cache if ev is None else ev.at_prefill_chunk(cache, ctx)
+
+    def after_commit(self, cache, ctx: StepContext):
+        ev = self.eviction
+        return (cache, jnp.bool_(False)) if ev is None else ev.after_commit(cache, ctx)
 
     def due_after_prefill(self, cache):
         ev = self.eviction
@@ -70,7 +83,7 @@ class ComposedPolicy(Policy):
     def on_block(self, cache, ctx: StepContext) -> BlockResult:
         sel, ev = self.selector, self.eviction
         if ev is not None:
-            cache = ev.scorer.observe(cache, ctx.mass)
+            cache = ev.scorer.observe(cache, ctx)
         selection = sel.select(cache, ctx.mass, ctx.score) if sel is not None else None
         if ev is None:
             return BlockResult(cache.resize(ctx.capacity), selection, jnp.bool_(False), jnp.int32(0))

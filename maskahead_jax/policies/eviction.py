@@ -4,14 +4,25 @@ ranks by, and which probe informs the ranking (research/maskahead.md §3, §6).
   Budget        C(seen) = max(floor(pct% * seen), floor), or a fixed number of `entries`,
                 rounded up to `multiple` (32 for a packed cache: whole key groups)
   ForcedKeeps   the newest `recent` entries and positions < `sinks` always survive
-  Eviction      budget + scorer + keeps + probes + schedule:
-                  after the prompt (due at step 0 of the first block) and, with interval_blocks
-                  > 0, at step 0 of the block after every interval_blocks blocks;
-                  probe: the block probe (Lookahead, PromptWindow or None);
+  Eviction      budget + scorer + keeps + probes + schedule, at one of two timings:
+                  "deferred" (MaskAhead, the released `lookahead` policy): after the prompt
+                  (due at step 0 of the first block) and, with interval_blocks > 0, at step 0
+                  of the block after every interval_blocks blocks, with that block's real
+                  step-0 queries and its probe;
+                  "end_of_block" (the released StreamingLLM, H2O, CAOTE, EA, SnapKV:
+                  session.end_prefill_chunk / end_block): the prompt is compressed at its
+                  final prefill chunk, to C(tokens seen before that chunk) and before the
+                  chunk is admitted (the chunk itself always survives; `admit_final_first`:
+                  after it is admitted, to C(whole prompt), SnapKV), and every interval_blocks
+                  blocks right after the commit forward's append (`after_commit`);
+                  probe: the block probe (Lookahead, DapQ, PromptWindow or None);
                   first_probe: replaces it at the first block (the question probe), and
                   pin_first pins the question span there;
                   bounded_prefill: also evict after every stored prefill chunk, ranked with
                   prefill_probe (or without a probe), pinning its span when pin_prefill.
+                A scorer with state observes every block's step-0 statistics and, when it
+                asks (observes_prefill / reads_queries), every prefill chunk but the first
+                (the released code prefills the first chunk through the model's own forward).
 """
 from __future__ import annotations
 
@@ -22,6 +33,9 @@ import jax
 import jax.numpy as jnp
 
 from .protocol import PolicyError, StepContext
+
+
+TIMINGS = ("deferred", "end_of_block")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,10 +95,13 @@ class ForcedKeeps:
     sinks: int = 4
     recent: int = 64
 
-    def mask(self, cache) -> jax.Array:
-        """[L, B, Hkv, N] entries that always survive: the newest `recent` and the sinks."""
+    def mask(self, cache, length=None) -> jax.Array:
+        """[L, B, Hkv, N] entries that always survive: the sinks and the newest `recent` of the
+        first `length` [B] slots (default: all of them)."""
+        length = cache.length if length is None else length
         slot = jnp.arange(cache.capacity)[None, None, None, :]
-        recent = slot >= (cache.length[None, :, None, None] - self.recent)
+        end = length[None, :, None, None]
+        recent = (slot >= end - self.recent) & (slot < end)
         return cache.valid & (recent | ((cache.pos >= 0) & (cache.pos < self.sinks)))
 
 
@@ -100,13 +117,25 @@ class Eviction:
     bounded_prefill: bool = False  # also evict after every stored prefill chunk
     prefill_probe: Any = None  # its probe (None: rank without one, e.g. by position)
     pin_prefill: bool = False  # keep prefill_probe's span (the question)
+    timing: str = "deferred"  # deferred | end_of_block (see the module docstring)
+    admit_final_first: bool = False  # end_of_block: compress the prompt after its final chunk
+
+    def __post_init__(self):
+        if self.timing not in TIMINGS:
+            raise PolicyError(f"eviction timing must be one of {'|'.join(TIMINGS)}, got {self.timing!r}")
+
+    @property
+    def deferred(self) -> bool:
+        return self.timing == "deferred"
 
     # ---------------------------------------------------------------- schedule
     def due_after_prefill(self, cache) -> jax.Array:
+        if not self.deferred:
+            return jnp.zeros(cache.length.shape, bool)
         return cache.length > self.budget.capacity(cache.seen)
 
     def due_after_block(self, blocks_done, cache) -> jax.Array:
-        if not self.interval_blocks:
+        if not self.interval_blocks or not self.deferred:
             return jnp.zeros(cache.length.shape, bool)
         due = (blocks_done % self.interval_blocks) == 0
         return due & (cache.length > self.budget.capacity(cache.seen))
@@ -114,11 +143,14 @@ class Eviction:
     def plan(self, prompt_cap: int, total_cap: int, block_size: int, chunk: int):
         """Static buffers: the prompt's while prefilling (C(prompt) + one chunk when bounded),
         then C(total) plus the blocks admitted between two evictions (or everything when the
-        prompt is the only thing ever compressed)."""
+        prompt is the only thing ever compressed). At the end_of_block timing the prompt's
+        final chunk survives its compression whole: one chunk more (not with bounded prefill,
+        which leaves at most C(prompt))."""
         pre = prompt_cap if not self.bounded_prefill else min(prompt_cap, self.budget.capacity(prompt_cap) + chunk)
         if not self.interval_blocks:
             return pre, total_cap
-        return pre, min(total_cap, self.budget.capacity(total_cap) + (self.interval_blocks + 1) * block_size)
+        extra = 0 if (self.deferred or self.bounded_prefill) else chunk
+        return pre, min(total_cap, self.budget.capacity(total_cap) + extra + (self.interval_blocks + 1) * block_size)
 
     # ---------------------------------------------------------------- the step
     def evict(self, cache, mass0, probe_mass, keep, capacity: int, pinned=None):
@@ -150,10 +182,52 @@ class Eviction:
         cache = jax.lax.cond(do, evict, lambda c: c.resize(ctx.capacity), cache)
         return cache, do, do.astype(jnp.int32) * int(probe is not None)
 
+    def after_commit(self, cache, ctx: StepContext):
+        """end_of_block timing: after every interval_blocks-th block's append, rows over C(seen)
+        are compacted (released `end_block` -> `maybe_evict`). Returns (cache, evicted)."""
+        if self.deferred or not self.interval_blocks:
+            return cache, jnp.bool_(False)
+        due = (ctx.blocks_done % self.interval_blocks) == 0
+        rows = ctx.active & due & (cache.length > self.budget.capacity(cache.seen))
+        do = jnp.any(rows)
+        cache = jax.lax.cond(do, lambda c: self.compact(c, None, None, rows, ctx.capacity), lambda c: c, cache)
+        return cache, do
+
     def at_prefill_chunk(self, cache, ctx: StepContext):
-        """Bounded prefill: rows over C(seen) are compacted into ctx.capacity slots."""
-        if not self.bounded_prefill:
+        """After a stored prefill chunk: a stateful scorer observes it (not the first chunk);
+        bounded prefill compacts rows over C(seen) into ctx.capacity slots; the end_of_block
+        timing compresses the prompt at each row's final chunk."""
+        sc = self.scorer
+        if (sc.observes_prefill or sc.reads_queries) and ctx.rows is not None:
+            cache = sc.observe(cache, ctx._replace(rows=ctx.rows & (ctx.start > 0)[:, None]))
+        if self.bounded_prefill:
+            return self._bounded(cache, ctx)
+        if self.deferred:
             return cache
+        final = (ctx.appended > 0) & (ctx.start + ctx.appended >= ctx.n_pre)
+        if self.admit_final_first:  # SnapKV: the final chunk's queries vote over the whole prompt
+            rows = final & (cache.length > self.budget.capacity(cache.seen))
+
+            def evict(c):
+                pm = self.probe.mass(c, ctx) if self.probe is not None else None
+                return self.compact(c, None, pm, rows, ctx.capacity)
+
+            return jax.lax.cond(jnp.any(rows), evict, lambda c: c, cache)
+        # the old prefix to C(seen before the chunk); the chunk, not admitted yet, survives whole
+        old, seen_old = cache.length - ctx.appended, cache.seen - ctx.appended
+        cap_old = self.budget.capacity(seen_old)
+        rows = final & (old > cap_old)
+
+        def compress(c):
+            keep = jnp.where(rows, jnp.minimum(old, cap_old) + ctx.appended, c.length)
+            slot = jnp.arange(c.capacity)[None, None, None, :]
+            forced = self.keeps.mask(c, old) | (c.valid & (slot >= old[None, :, None, None]))
+            scores = self.scorer.scores(c, None, None)
+            return c.keep_top(jnp.where(forced, jnp.inf, scores), keep, ctx.capacity)
+
+        return jax.lax.cond(jnp.any(rows), compress, lambda c: c, cache)
+
+    def _bounded(self, cache, ctx: StepContext):
         over = cache.length > self.budget.capacity(cache.seen)
 
         def evict(c):

@@ -28,9 +28,9 @@ from typing import Optional
 
 from .composed import ComposedPolicy
 from .eviction import Budget, Eviction, ForcedKeeps, budget_of, check_budget
-from .probes import Lookahead, Question
+from .probes import FILLS, DapQ as DapQProbe, Lookahead, Question
 from .protocol import PolicyError
-from .scorers import MassScore, ValueScore
+from .scorers import MassScore, ProbeMass, ValueScore
 from .selection import Selector
 
 RANKINGS = ("value", "mass", "none")
@@ -143,3 +143,41 @@ class BoundedPrefillMaskAhead(MaskAhead):
     def check_question(self) -> None:
         if self.question_tokens <= 0:
             raise PolicyError(f"question_tokens must be positive, got {self.question_tokens}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DapQ(MaskAhead):
+    """The released `dapq` baseline (configs/dapq.yaml): MaskAhead's deferred lookahead schedule
+    with another probe (released EvictionConfig.lookahead_probe):
+
+      "dapq"      (default) DapQ itself: 32 pseudo tokens, the first 4 and the last
+                  block_size - 4 tokens of the committed context, at the current block's
+                  positions; the eviction ranks by their attention mass alone (no step-0 term,
+                  no value term: released session.end_dapq_probe -> _evict_by_probe(use_value=False))
+      "random" / "dapq_fill" / "mask"  MaskAhead's lookahead with its probe blocks filled with
+                  uniform random tokens / the DapQ pattern / masks, ranked as MaskAhead ranks
+                  (step-0 mass + probe mass, x ||v - c|| unless evict_ranking="mass")
+    """
+
+    name = "dapq"
+    lookahead_probe: str = "dapq"
+
+    @property
+    def eviction(self) -> Optional[Eviction]:
+        ev = super().eviction
+        if ev is None:
+            return None
+        if self.lookahead_probe == "dapq":
+            return dataclasses.replace(ev, scorer=ProbeMass(), probe=DapQProbe())
+        fill = {"dapq_fill": "dapq"}.get(self.lookahead_probe, self.lookahead_probe)
+        return dataclasses.replace(ev, probe=Lookahead(self.lookahead_blocks, fill))
+
+    def validate(self, cfg, gen) -> None:
+        kinds = ("dapq", "dapq_fill") + tuple(f for f in FILLS if f != "dapq")
+        if self.lookahead_probe not in kinds:
+            raise PolicyError(f"lookahead_probe must be one of {'|'.join(kinds)}, got {self.lookahead_probe!r}")
+        if self.evict_ranking == "none":
+            raise PolicyError("dapq is an eviction policy: evict_ranking must be value or mass")
+        if self.lookahead_probe != "dapq" and self.lookahead_blocks < 2:
+            raise PolicyError(f"lookahead_probe={self.lookahead_probe!r} needs lookahead_blocks >= 2")
+        super().validate(cfg, gen)

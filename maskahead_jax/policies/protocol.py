@@ -6,14 +6,20 @@ A policy is a frozen, hashable dataclass (a static jit argument). The engine
 
   validate(cfg, gen)                     refuse settings that cannot run (PolicyError)
   plan(prompt_cap, total_cap, block, chunk) -> (prefill capacity, decode capacity), static
-  empty_cache(L, B, Hkv, N, D, dtype)    the cache this policy stores into (cache.Cache)
+  empty_cache(L, B, Hkv, N, D, dtype, group_size=1)  the cache this policy stores into
   stat_rows(masked, active)              [B, T] step-0 queries pooled into the statistics, or
                                          None: step 0 computes no statistics
-  on_prefill_chunk(cache, ctx)           after each stored prefill chunk (bounded prefill)
+  prefill_stat_rows(valid)               [B, T] prefill-chunk queries pooled into statistics over
+                                         the cache before the chunk (ctx.mass), or None
+  query_stat_rows(rows)                  [B, T] rows whose pre-RoPE query moments the forward
+                                         returns (ctx.queries; Expected Attention), or None
+  on_prefill_chunk(cache, ctx)           after each stored prefill chunk (ctx.appended entries)
   due_after_prefill(cache)               [B] a compression is due at the first block's step 0
   on_block(cache, ctx) -> BlockResult    at step 0 of every block: update state, choose what the
                                          block reads, evict when `ctx.due`, with probes it builds
                                          itself through `ctx.forward`
+  after_commit(cache, ctx) -> (cache, evicted)  after the commit forward's append (baselines
+                                         that evict at the end of a block)
   due_after_block(blocks_done, cache)    [B] a compression is due at the next block's step 0
   on_prompt(cache, vote, plen)           bidirectional families: compress the prompt once
                                          (MaskKV), or None to keep it
@@ -49,7 +55,7 @@ Forward = Callable[..., jax.Array]
 
 
 class StepContext(NamedTuple):
-    """What the engine tells a hook (read-only). Prefill hooks get tokens/start/mass/score None."""
+    """What the engine tells a hook (read-only). Fields a call has nothing for are None."""
 
     forward: Forward
     prompt: jax.Array  # [B, P] padded prompt tokens
@@ -65,6 +71,12 @@ class StepContext(NamedTuple):
     start: Optional[jax.Array] = None  # [B] the block's first position
     mass: Optional[jax.Array] = None  # [L, B, Hkv, N] step-0 prefix mass (stat_rows pooled)
     score: Optional[jax.Array] = None  # [L, B, Hkv, N] step-0 value score a_i * ||v_i - c||
+    rows: Optional[jax.Array] = None  # [B, T] the queries pooled into `mass` (and `queries`)
+    queries: Optional[tuple] = None  # (m1 [L,B,Hkv,G,D], m2 [L,B,Hkv,G,D,D]) pre-RoPE query moments
+    rope: Optional[tuple] = None  # (cos, sin) [B, 2, rope_dim] at the forward's last two positions
+    appended: Optional[jax.Array] = None  # [B] entries the chunk / commit just appended
+    blocks_done: Optional[jax.Array] = None  # int32 blocks committed so far (after_commit)
+    generated: Optional[jax.Array] = None  # [B, G] committed blocks, the first at position n_pre
 
 
 class BlockResult(NamedTuple):
@@ -91,10 +103,17 @@ class Policy:
         """(capacity while prefilling, capacity while decoding); total_cap holds everything."""
         return total_cap, total_cap
 
-    def empty_cache(self, num_layers, batch, kv_heads, capacity, head_dim, dtype=jnp.bfloat16) -> Cache:
+    def empty_cache(self, num_layers, batch, kv_heads, capacity, head_dim, dtype=jnp.bfloat16,
+                    group_size: int = 1) -> Cache:
         return float_empty(num_layers, batch, kv_heads, capacity, head_dim, dtype)
 
     def stat_rows(self, masked, active):
+        return None
+
+    def prefill_stat_rows(self, valid):
+        return None
+
+    def query_stat_rows(self, rows):
         return None
 
     def on_prefill_chunk(self, cache, ctx: StepContext):
@@ -105,6 +124,9 @@ class Policy:
 
     def on_block(self, cache, ctx: StepContext) -> BlockResult:
         return BlockResult(cache.resize(ctx.capacity), None, jnp.bool_(False), jnp.int32(0))
+
+    def after_commit(self, cache, ctx: StepContext):
+        return cache, jnp.bool_(False)
 
     def due_after_block(self, blocks_done, cache) -> jax.Array:
         return jnp.zeros(cache.length.shape, bool)

@@ -11,12 +11,20 @@ Selection and eviction are MaskAhead's; only the storage differs (cache.packed.Q
 * eviction ranks by A_i * ||v_i - c|| with v the dequantized values, and requantizes the
   survivors' keys into fresh groups (quant.requantize_survivors: the documented deviation).
 
-Whole key groups: capacities and eviction budgets C(seen) are rounded *up* to multiples of 32 so
-that every append starts on a group boundary (blocks and prefill chunks must be multiples of 32).
+Whole key groups: capacities and eviction budgets C(seen) are rounded *up* to multiples of 32.
+Blocks and prefill chunks that are multiples of 32 start every append on a group boundary.
+Other sizes (SDAR's 4-token blocks, 8 / 16, head sizes 64 / 96 / 128 all work) need
+`residual=True`: the cache keeps each lane's trailing partial key group in bf16 as well (the
+open group, cache/packed.py, counted in memory) and quantizes a group from those originals once
+it is complete; until then its slots hold codes of the tokens present.
 
 Memory: generate's stats use the cache's `bytes_per_token` (payload + fp16 metadata + bf16
 residual, from the arrays) plus 10 B eviction state per kept entry, against a bf16 cache of every
 token seen.
+
+`bitsieve-v1` (released configs/bitsieve_v1.yaml, "BitSieve v1"): the same K4V4 cache with
+selection by the step-0 mass alone (every masked query, top k = max(256, 5%)) and no eviction:
+QMaskAhead(select_ranking="mass", evict_ranking="none").
 
 `simulate=True` keeps a float cache whose appended K/V (and requantized survivor keys) take the
 same quantize -> dequantize round trip: the float reference the tests compare the packed run to.
@@ -46,6 +54,7 @@ class QMaskAhead(MaskAhead):
     bits: int = 4
     compact_dtype: str = "bfloat16"  # dtype of the gathered buffer of selected entries
     simulate: bool = False  # test reference: float cache on quantize -> dequantize values
+    residual: bool = False  # keep the bf16 open group: blocks / prefill chunks of any size
 
     def validate(self, cfg, gen) -> None:
         super().validate(cfg, gen)
@@ -55,10 +64,13 @@ class QMaskAhead(MaskAhead):
             raise PolicyError("q-maskahead needs a block-causal family (its packed cache is the "
                               "block-causal core's; the bidirectional core keeps a float cache)")
         g = quant.GROUP
-        for what, n in (("head_dim", cfg.head_dim), ("block_size", gen.block_size),
-                        ("prefill_chunk", gen.prefill_chunk)):
-            if n % g:
-                raise PolicyError(f"q-maskahead needs {what} to be a multiple of {g}, got {n}")
+        if cfg.head_dim % g:
+            raise PolicyError(f"q-maskahead needs head_dim to be a multiple of {g} (value groups "
+                              f"of {g} channels), got {cfg.head_dim}")
+        for what, n in (("block_size", gen.block_size), ("prefill_chunk", gen.prefill_chunk)):
+            if n % g and not self.residual:
+                raise PolicyError(f"q-maskahead needs {what} to be a multiple of {g}, got {n}; "
+                                  "residual=True keeps the partial key group in bf16 (any size)")
 
     # ------------------------------------------------------------------ parts (whole key groups)
     def budget(self) -> Budget:
@@ -74,7 +86,8 @@ class QMaskAhead(MaskAhead):
         return _round_up(c0), _round_up(c1)
 
     # ------------------------------------------------------------------ storage
-    def empty_cache(self, num_layers, batch, kv_heads, capacity, head_dim, dtype=jnp.bfloat16):
+    def empty_cache(self, num_layers, batch, kv_heads, capacity, head_dim, dtype=jnp.bfloat16, group_size=1):
         if self.simulate:
-            return simulated.sim_empty(num_layers, batch, kv_heads, capacity, head_dim, dtype, self.bits)
-        return packed.empty(num_layers, batch, kv_heads, capacity, head_dim, self.bits)
+            return simulated.sim_empty(num_layers, batch, kv_heads, capacity, head_dim, dtype, self.bits,
+                                       self.residual)
+        return packed.empty(num_layers, batch, kv_heads, capacity, head_dim, self.bits, self.residual)

@@ -2,15 +2,21 @@
 
 A scorer is a small frozen dataclass (subclass `Scorer`) with `scores(cache, mass0, probe) ->
 [L, B, Hkv, N]` (mass0: the step-0 prefix mass or None; probe: the probe's mass or None) and, if
-it keeps per-entry state, `observe(cache, mass) -> cache` (called at every block's step 0).
+it keeps state, `observe(cache, ctx) -> cache`, called at every block's step 0 (ctx.mass: the
+prefix mass pooled over the ctx.rows queries; ctx.queries: their pre-RoPE moments) and, when
+`observes_prefill` / `reads_queries` ask for it, after every prefill chunk but the first.
 `reads_mass = False` tells the engine that step 0 need not compute statistics for it.
 
   ValueScore     MaskAhead: A_i * ||v_i - c||, A = mass0 + probe, c = sum A_i v_i / sum A_i
   MassScore      A_i alone (the MAGE-like ranking)
+  ProbeMass      DapQ: the probe's mass alone (no step-0 term)
   PositionScore  StreamingLLM: newest first (sinks / recent are forced keeps)
-  Accumulated    H2O: step-0 mass summed (decay 1) since an entry entered the cache, in cache.acc
+  Accumulated    H2O: the attention every query gave an entry since it entered the cache, in
+                 cache.acc: each step 0 adds (its mask queries) x (their pooled mass), each
+                 prefill chunk (its tokens) x (their pooled mass over the cache before it)
   CAOTE          H2O + CAOTE: h_i / (1 - h_i) * ||v_i - o||, h = acc normalised per lane
   PooledVote     SnapKV: the probe's mass alone, max-pooled over `pool` neighbouring slots
+(Expected Attention's scorer, with its query moments, is in policies/expected_attention.py.)
 """
 from __future__ import annotations
 
@@ -32,8 +38,10 @@ class Scorer:
     """Base: no per-entry state; reads the step-0 mass."""
 
     reads_mass: ClassVar[bool] = True
+    observes_prefill: ClassVar[bool] = False  # observe() every prefill chunk's mass too
+    reads_queries: ClassVar[bool] = False  # observe() reads ctx.queries (pre-RoPE query moments)
 
-    def observe(self, cache, mass):
+    def observe(self, cache, ctx):
         return cache
 
     def scores(self, cache, mass0, probe):
@@ -53,6 +61,14 @@ class MassScore(Scorer):
 
 
 @dataclasses.dataclass(frozen=True)
+class ProbeMass(Scorer):
+    reads_mass = False
+
+    def scores(self, cache, mass0, probe):
+        return probe
+
+
+@dataclasses.dataclass(frozen=True)
 class PositionScore(Scorer):
     reads_mass = False
 
@@ -62,12 +78,18 @@ class PositionScore(Scorer):
 
 @dataclasses.dataclass(frozen=True)
 class Accumulated(Scorer):
-    decay: float = 1.0  # acc <- decay * acc + mass at every block's step 0 (1: plain sum)
+    """acc <- decay * acc + n * mass, n the queries pooled into mass (released
+    EvictionState.observe with decay 1: g += len(query_indices) * alpha, alpha the mean over
+    those queries and the GQA group; decay < 1 is ours)."""
 
-    def observe(self, cache, mass):
-        if mass is None:
+    observes_prefill = True
+    decay: float = 1.0
+
+    def observe(self, cache, ctx):
+        if ctx.mass is None:
             return cache
-        acc = self.decay * cache.acc + jnp.where(cache.valid, mass.astype(jnp.float32), 0.0)
+        n = ctx.rows.sum(-1).astype(jnp.float32)[None, :, None, None]
+        acc = self.decay * cache.acc + jnp.where(cache.valid, n * ctx.mass.astype(jnp.float32), 0.0)
         return cache._replace(acc=acc)
 
     def scores(self, cache, mass0, probe):
@@ -78,7 +100,7 @@ def caote_scores(acc: jax.Array, v: jax.Array, valid: jax.Array, eps: float = 1e
     """CAOTE eviction error h_i / (1 - h_i) * ||v_i - o||, h = acc normalised over the lane's valid
     entries, o = sum_i h_i v_i.  acc/valid [..., S], v [..., S, D]."""
     h = jnp.where(valid, acc.astype(jnp.float32), 0.0)
-    h = h / jnp.maximum(h.sum(-1, keepdims=True), 1e-30)
+    h = h / jnp.maximum(h.sum(-1, keepdims=True), 1e-12)
     vf = v.astype(jnp.float32)
     o = jnp.einsum("...s,...sd->...d", h, vf)
     dist = jnp.linalg.norm(vf - o[..., None, :], axis=-1)

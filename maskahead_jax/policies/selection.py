@@ -5,7 +5,9 @@ statistics and keeps the top k = min(live, max(topk_floor, ceil(topk_pct% * live
 (research/maskahead.md §2): `ranking` "value" ranks by s_i = a_i * ||v_i - c|| (MaskAhead),
 "mass" by a_i (MAGE-like). The chosen entries are gathered once into a compact buffer
 (`compact_dtype`, e.g. bf16 from a packed cache) that all later steps reuse. `rows` says which
-step-0 queries pool the statistics: every masked one, or only the centre one (HERALD-like).
+step-0 queries pool the statistics: every masked one, or only the centre one (HERALD-like: the masked position closest
+to the block's centre (T - 1) / 2, the lower one on a tie, as released SelectorConfig.query_indices
+mode "middle").
 """
 from __future__ import annotations
 
@@ -33,10 +35,15 @@ def masked_rows(masked, active):
 
 
 def centre_rows(masked, active):
-    """[B, T] only the middle one of each row's masked positions (the lower median)."""
-    rank = jnp.cumsum(masked.astype(jnp.int32), axis=-1) - 1
-    n = masked.sum(-1, keepdims=True)
-    return masked & (rank == (n - 1) // 2) & active[:, None]
+    """[B, T] only the masked position closest to the block centre (T - 1) / 2, the lower one on
+    a tie (released: min(positions, key=(|x - centre|, x))): 15 for masks at 1..31 of a
+    32-token block, 16 for masks at 16..31."""
+    t = masked.shape[-1]
+    idx = jnp.arange(t)
+    dist2 = jnp.abs(2 * idx - (t - 1))  # 2 |x - (T - 1) / 2|, an integer
+    key = jnp.where(masked, dist2 * t + idx, jnp.iinfo(jnp.int32).max)
+    pick = jnp.argmin(key, axis=-1)
+    return (idx[None, :] == pick[:, None]) & masked & active[:, None]
 
 
 @dataclasses.dataclass(frozen=True)
