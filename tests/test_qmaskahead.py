@@ -170,3 +170,88 @@ def test_invalid_settings_are_clear_errors():
     with pytest.raises(PolicyError, match="block-causal"):
         generate(tiny_model("llada", head_dim=32, block_size=32), [[1, 2]], gc, policy=QMaskAhead(**SMALL))
     assert isinstance(make("q-maskahead"), MaskAhead)
+
+
+# ----------------------------------------------------------------------------- the open group
+@pytest.mark.parametrize("t,d", [(4, 64), (8, 96), (16, 128), (24, 32)])
+def test_unaligned_appends_keep_an_open_group_equal_to_the_simulated_cache(t, d):
+    """Appends of t tokens (not whole key groups) with the bf16 open group: the packed cache ==
+    the simulated cache on every valid slot, through appends of ragged sizes and evictions that
+    leave a partial group; complete groups are quantized once from their originals; the open
+    group is counted in bytes_per_token."""
+    l, b, h, cap = 2, 2, 1, 128
+    qc = packed.empty(l, b, h, cap, d, 4, residual=True)
+    sc = simulated.sim_empty(l, b, h, cap, d, jnp.float32, 4, residual=True)
+    assert qc.open_k.shape == (l, b, h, 32, d)
+    assert qc.bytes_per_token == packed.empty(l, b, h, cap, d, 4).bytes_per_token + 2 * 32 * d * 2 / cap
+    ks, vs = [], []
+
+    def check(qc, sc):
+        m = np.asarray(qc.valid)[..., None]
+        np.testing.assert_array_equal(qc.valid, sc.valid)
+        np.testing.assert_array_equal(qc.pos, sc.pos)
+        np.testing.assert_array_equal(qc.length, sc.length)
+        kq, vq = _deq(qc)
+        np.testing.assert_allclose(np.where(m, kq, 0), np.where(m, sc.k, 0), atol=1e-6)
+        np.testing.assert_allclose(np.where(m, vq, 0), np.where(m, sc.v, 0), atol=1e-6)
+        np.testing.assert_array_equal(qc.open_k, sc.open_k)
+
+    step = 0
+    rng = np.random.RandomState(t + d)
+    while int(qc.length.max()) + t <= 96:
+        k, v = _kv(jax.random.PRNGKey(step), l, b, h, t, d)
+        ks.append(k), vs.append(v)
+        n = jnp.array([t, int(rng.randint(0, t + 1))], jnp.int32)
+        pos = jnp.broadcast_to(qc.seen[:, None] + jnp.arange(t, dtype=jnp.int32), (b, t))
+        qc, sc = kvc.append(qc, k, v, pos, n), kvc.append(sc, k, v, pos, n)
+        check(qc, sc)
+        step += 1
+    # row 0 got every token: its complete groups are the one-shot quantization of the originals
+    # (open-group tokens as bf16), the trailing partial group's originals sit in open_k
+    full = jnp.concatenate(ks, 3)[:, :1]
+    n0 = int(qc.length[0])
+    nq = n0 - n0 % 32
+    kq = _deq(qc)[0][:, :1, :, :nq]
+    step_k = jnp.repeat(qc.q.k_scale[:, :1, :, :nq // 32].astype(jnp.float32), 32, axis=3)
+    # within half a step of the originals (+ the bf16 rounding of the staged tokens)
+    assert float((jnp.abs(kq - full[..., :nq, :]) / step_k).max()) < 0.52
+    np.testing.assert_array_equal(qc.open_k[:, 0, :, :n0 - nq], full[:, 0, :, nq:n0].astype(jnp.bfloat16))
+    # an eviction to a partial group, then more appends onto it
+    scores = jax.random.uniform(jax.random.PRNGKey(9), qc.valid.shape)
+    keep = jnp.array([45, 37], jnp.int32)
+    qc, sc = kvc.keep_top(qc, scores, keep, 64), kvc.keep_top(sc, scores, keep, 64)
+    check(qc, sc)
+    assert list(map(int, qc.length)) == [45, min(37, int(sc.valid[0, 1, 0].sum()))]
+    qc, sc = kvc.resize(qc, 96), kvc.resize(sc, 96)
+    for s in range(3):
+        k, v = _kv(jax.random.PRNGKey(100 + s), l, b, h, t, d)
+        n = jnp.array([t, t - 1], jnp.int32)
+        pos = jnp.broadcast_to(qc.seen[:, None] + jnp.arange(t, dtype=jnp.int32), (b, t))
+        qc, sc = kvc.append(qc, k, v, pos, n), kvc.append(sc, k, v, pos, n)
+        check(qc, sc)
+    sel = qc.select_context(*choose_slots(qc.valid, qc.pos, scores[..., :96], jnp.array([8, 8]), 8))
+    assert sel.k.shape == (l, b, h, 8, d)
+
+
+def test_aligned_appends_without_an_open_group_still_refuse_partial_groups():
+    qc = packed.empty(1, 1, 1, 64, 32, 4)
+    k, v = _kv(jax.random.PRNGKey(0), 1, 1, 1, 8, 32)
+    with pytest.raises(ValueError, match="residual=True"):
+        kvc.append(qc, k, v, jnp.arange(8, dtype=jnp.int32)[None], jnp.array([8]))
+
+
+@pytest.mark.parametrize("bs,d,chunk", [(4, 64, 64), (8, 96, 48), (16, 128, 64)])
+def test_small_blocks_and_head_sizes_match_the_simulated_cache(bs, d, chunk):
+    """Q-MaskAhead at block sizes 4 / 8 / 16 and head sizes 64 / 96 / 128 (residual=True): the
+    packed run == the simulated float run, with selections and evictions; the plain policy
+    refuses the unaligned blocks with a PolicyError naming residual=True."""
+    m = _model(head_dim=d, hidden_size=2 * d, block_size=bs)
+    gc = GenerationConfig(max_new_tokens=32, prefill_chunk=chunk, stop_at_eos=False)
+    kw = dict(SMALL, residual=True, compact_dtype="float32")
+    out = generate(m, _prompts((70, 45)), gc, policy=QMaskAhead(**kw))
+    sim = generate(m, _prompts((70, 45)), gc, policy=QMaskAhead(simulate=True, **kw))
+    assert out.tokens == sim.tokens and all(len(t) == 32 for t in out.tokens)
+    assert out.stats["live_entries"] == sim.stats["live_entries"]
+    assert out.stats["evictions"] >= 1
+    with pytest.raises(PolicyError, match="residual=True"):
+        generate(m, _prompts((70, 45)), gc, policy=QMaskAhead(**SMALL))

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from .. import quant
 from ..model import Context
 from .float_cache import KVCache, empty as float_empty
+from .packed import OPEN, new_open, open_originals, scatter_rows, stage_window
 from .slots import choose_slots
 
 
@@ -35,8 +36,14 @@ class SimQuantKVCache(NamedTuple):
     acc: jax.Array
     length: jax.Array
     seen: jax.Array
+    open_k: jax.Array = None  # the packed cache's bf16 open group (width 0: none)
+    open_v: jax.Array = None
 
     bits = 4
+
+    @property
+    def residual(self) -> bool:
+        return self.open_k is not None and self.open_k.shape[3] > 0
 
     @property
     def capacity(self) -> int:
@@ -47,21 +54,30 @@ class SimQuantKVCache(NamedTuple):
         return self._f().bytes_per_token
 
     def _f(self) -> KVCache:
-        return KVCache(*self)
+        return KVCache(*self[:7])
 
-    def _wrap(self, c: KVCache):
-        return type(self)(*c)
+    def _wrap(self, c: KVCache, open_k=None, open_v=None):
+        ok, ov = (self.open_k, self.open_v) if open_k is None else (open_k, open_v)
+        return type(self)(*c, ok, ov)
 
     def context(self, start: int = 0, stop: int | None = None) -> Context:
         return self._f().context(start, stop)
 
     def layers(self, start: int, stop: int):
-        return self._wrap(self._f().layers(start, stop))
+        c = self._f().layers(start, stop)
+        return type(self)(*c, self.open_k[start:stop], self.open_v[start:stop])
 
     def live(self):
         return self._f().live()
 
     def append(self, k_new, v_new, pos_new, n_new):
+        if self.residual:  # the packed cache's window, quantize -> dequantize, written back
+            start, kw, vw, valid, ok, ov = stage_window(self.open_k, self.open_v, self.length,
+                                                        k_new, v_new, n_new)
+            kw, vw = quant.dequantize_kv(quant.quantize_kv(kw, vw, self.bits, valid), jnp.float32)
+            c = self._f().append(k_new, v_new, pos_new, n_new)
+            c = c._replace(k=scatter_rows(c.k, kw, start), v=scatter_rows(c.v, vw, start))
+            return self._wrap(c, ok, ov)
         t = k_new.shape[3]
         ok = jnp.arange(t)[None, :] < n_new[:, None]
         valid = jnp.broadcast_to(ok[None, :, None, :], k_new.shape[:4])
@@ -71,6 +87,16 @@ class SimQuantKVCache(NamedTuple):
     def gather(self, idx, keep):
         c = self._f().gather(idx, keep)
         live = c.valid
+        if self.residual:  # as QKVCache.gather: open-group survivors regrouped from their originals
+            k, v, in_open = open_originals(self.open_k, self.open_v, self.length, idx,
+                                           c.k.astype(jnp.float32), c.v.astype(jnp.float32))
+            k, v = jnp.where(live[..., None], k, 0.0), jnp.where(live[..., None], v, 0.0)
+            codes, scale, zero = quant.quantize_keys(k, self.bits, live)
+            k2 = quant.dequantize_keys(codes, scale, zero, self.bits, jnp.float32)
+            v2 = quant.dequantize_values(*quant.quantize_values(v, self.bits), self.bits, jnp.float32)
+            v2 = jnp.where(in_open, v2, c.v.astype(jnp.float32))
+            ok, ov = new_open(k, v, c.length)
+            return self._wrap(c._replace(k=k2.astype(c.k.dtype), v=v2.astype(c.v.dtype)), ok, ov)
         k = jnp.where(live[..., None], c.k.astype(jnp.float32), 0.0)
         codes, scale, zero = quant.quantize_keys(k, self.bits, live)
         k = quant.dequantize_keys(codes, scale, zero, self.bits, jnp.float32)
@@ -103,5 +129,7 @@ def sim_cache_type(bits: int):
     return _SIM_TYPES[bits]
 
 
-def sim_empty(num_layers, batch, kv_heads, capacity, head_dim, dtype=jnp.float32, bits: int = 4):
-    return sim_cache_type(bits)(*float_empty(num_layers, batch, kv_heads, capacity, head_dim, dtype))
+def sim_empty(num_layers, batch, kv_heads, capacity, head_dim, dtype=jnp.float32, bits: int = 4,
+              residual: bool = False):
+    z = jnp.zeros((num_layers, batch, kv_heads, OPEN if residual else 0, head_dim), quant.RESIDUAL_DTYPE)
+    return sim_cache_type(bits)(*float_empty(num_layers, batch, kv_heads, capacity, head_dim, dtype), z, z)
