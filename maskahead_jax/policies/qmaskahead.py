@@ -22,6 +22,10 @@ Memory: generate's stats use the cache's `bytes_per_token` (payload + fp16 metad
 residual, from the arrays) plus 10 B eviction state per kept entry, against a bf16 cache of every
 token seen.
 
+`bitsieve-v1` (released configs/bitsieve_v1.yaml, "BitSieve v1"): the same K4V4 cache with
+selection by the step-0 mass alone (every masked query, top k = max(256, 5%)) and no eviction:
+QMaskAhead(select_ranking="mass", evict_ranking="none").
+
 `simulate=True` keeps a float cache whose appended K/V (and requantized survivor keys) take the
 same quantize -> dequantize round trip: the float reference the tests compare the packed run to.
 """
@@ -82,7 +86,7 @@ class QMaskAhead(MaskAhead):
         return _round_up(c0), _round_up(c1)
 
     # ------------------------------------------------------------------ storage
-    def empty_cache(self, num_layers, batch, kv_heads, capacity, head_dim, dtype=jnp.bfloat16):
+    def empty_cache(self, num_layers, batch, kv_heads, capacity, head_dim, dtype=jnp.bfloat16, group_size=1):
         if self.simulate:
             return simulated.sim_empty(num_layers, batch, kv_heads, capacity, head_dim, dtype, self.bits,
                                        self.residual)
