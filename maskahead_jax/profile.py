@@ -16,6 +16,16 @@ Method (same prompt replicated over the batch, fixed output length: stop at EOS 
   * decode_tok_s = generated tokens beyond the prefill run / decode_s;
   * peak KV = the engine's memory accounting (research/maskahead.md §4), summed over the batch;
   * speedups = dense time / policy time, same run, same batch.
+Roofline of the decode forward (`decode_roofline`, per run when `peak_flops` / `hbm_bytes_per_s`
+are given; defaults: H200, 790 TFLOP/s realistic dense bf16, 4.8 TB/s HBM):
+  * FLOPs = 2 * n * (P_layers + H * V) + 4 * n * L * Hq * D * S, n = batch * block tokens per
+    forward, P_layers = L * (H * D * (2 * Hq + 2 * Hkv) + 3 * H * I) the matmul weights, V the vocab
+    (logits of every block token), S = the attended context (prompt + out_len / 2 for dense,
+    stats['live_entries'] (kept entries at the end, mean over rows) for the others);
+  * bytes = 2 * (P_layers + H * V) (bf16 weights, read once) + the KV bytes the forward reads
+    (kv_final_bytes of the run: every row's stored cache);
+  * roofline_s = max(FLOPs / peak_flops, bytes / hbm_bytes_per_s); roofline_fraction = roofline_s /
+    measured decode s per forward (1.0 = at the roofline).
 Serving capacity: the largest batch whose peak KV bytes (per row, which scale linearly with the
 batch) fit `kv_budget_gb`, per policy.
 
@@ -86,6 +96,27 @@ def _prompt(cfg: ModelConfig, n: int, seed: int) -> list:
     return [int(t) for t in ids if int(t) not in bad and int(t) < cfg.vocab_size][:n]
 
 
+H200_PEAK_FLOPS = 790e12  # realistic dense bf16 (device docs); 989e12 is the spec sheet figure
+H200_HBM_BYTES_PER_S = 4.8e12
+
+
+def decode_roofline(cfg: ModelConfig, batch: int, block: int, context: float, kv_bytes: float,
+                    peak_flops: float = H200_PEAK_FLOPS, hbm_bytes_per_s: float = H200_HBM_BYTES_PER_S) -> dict:
+    """FLOPs, bytes read and roofline time of one decode forward (formula: module docstring).
+
+    context: attended entries per lane; kv_bytes: the KV bytes the forward reads (all rows)."""
+    h, d, hq, hkv, n_l = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.num_layers
+    inter = cfg.intermediate_size
+    p_layers = n_l * (h * d * (2 * hq + 2 * hkv) + 3 * h * inter)
+    p_all = p_layers + h * cfg.vocab_size
+    n = batch * block
+    flops = 2.0 * n * p_all + 4.0 * n * n_l * hq * d * context
+    nbytes = 2.0 * p_all + float(kv_bytes)
+    t = max(flops / peak_flops, nbytes / hbm_bytes_per_s)
+    return dict(flops=flops, bytes=nbytes, roofline_s=t, bound="compute" if flops / peak_flops >= nbytes / hbm_bytes_per_s
+                else "bandwidth", peak_flops=peak_flops, hbm_bytes_per_s=hbm_bytes_per_s)
+
+
 def _timed(model, prompts, cfg, policy, repeats, mesh=None):
     from .generate import generate
 
@@ -101,7 +132,8 @@ def _timed(model, prompts, cfg, policy, repeats, mesh=None):
 def profile(model, prompt_len: int, out_len: int, batch_sizes: Sequence[int],
             policies: Sequence[str] = ("dense", "maskahead", "q-maskahead"), capacity: float = 10.0,
             gen: Optional[GenerationConfig] = None, repeats: int = 1, kv_budget_gb: float = 40.0,
-            seed: int = 0, log=None, policy_kw: Optional[dict] = None, mesh=None) -> dict:
+            seed: int = 0, log=None, policy_kw: Optional[dict] = None, mesh=None,
+            peak_flops: float = H200_PEAK_FLOPS, hbm_bytes_per_s: float = H200_HBM_BYTES_PER_S) -> dict:
     """Profile every policy at every batch size; see the module docstring for the method.
 
     policy_kw: knobs as `maskahead_jax.evaluation.policies.resolve_policy_kw` takes them
@@ -160,6 +192,19 @@ def profile(model, prompt_len: int, out_len: int, batch_sizes: Sequence[int],
                 share = kv_bytes_per_device(cfg, int(b), st["cache_capacity"], m)
                 run.update(mesh=str(dict(m.shape)), kv_shards=share["shards"],
                            kv_peak_bytes_per_device=run["kv_peak_bytes"] / share["shards"])
+            ctx_len = float(prompt_len + out_len / 2)
+            if p != "dense" and st.get("live_entries"):  # the kept entries per lane at the end
+                ctx_len = min(ctx_len, float(np.mean(st["live_entries"])))
+            roof = decode_roofline(cfg, int(b), bs, ctx_len, run["kv_final_bytes"], peak_flops, hbm_bytes_per_s)
+            run.update(roofline_flops=roof["flops"], roofline_bytes=roof["bytes"], roofline_ms=1e3 * roof["roofline_s"],
+                       roofline_bound=roof["bound"], roofline_context=ctx_len,
+                       roofline_fraction=(roof["roofline_s"] * 1e3 / run["decode_ms_per_forward"]
+                                          if run["decode_ms_per_forward"] else None))
+            try:
+                ms = jax.devices()[0].memory_stats() or {}
+                run["peak_device_bytes"] = ms.get("peak_bytes_in_use")
+            except Exception:  # CPU backends may not report
+                run["peak_device_bytes"] = None
             per_row_peak[p] = max(st["kv_bytes_peak"])
             if p == "dense":
                 base = run

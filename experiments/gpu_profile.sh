@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# One prepared device session (issue 38 item 5), <= ~8 minutes on one H200:
+#   1. the kernel tests on the device (tests/test_kernels.py: ON_GPU = default backend "gpu" runs
+#      the Mosaic GPU kernels for real instead of lowering only);
+#   2. `maskahead profile` at the Fast-dLLM-v2-7B shape (random weights): dense vs MaskAhead 10%
+#      vs Q-MaskAhead 10% (4-bit), 3 repeats, prompts 8192 (batch 1, 8, 32) and 32768 (batch 1, 8;
+#      batch 32 at 32k does not fit the time budget), with forward counts, decode ms per forward,
+#      tokens/s, peak device memory (memory_stats), serving capacity and the decode forward's
+#      roofline fraction (790 TFLOP/s, 4.8 TB/s; maskahead_jax/profile.py decode_roofline).
+# Everything lands in $OUT (default runs/gpu_profile): kernels.log, profile_<len>.json / .log.
+#
+#   run:      bash experiments/gpu_profile.sh                 (on the device machine; timeout_s ~540)
+#   dry run:  MASKAHEAD_DRY_RUN=1 bash experiments/gpu_profile.sh   (CPU, tiny shape, < 1 min:
+#             the testbed model, short prompts, 1 repeat, a kernel-test subset in interpret mode)
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-runs/gpu_profile}
+mkdir -p "$OUT"
+PY=${PYTHON:-python}
+[ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ] && PY=.venv/bin/python
+DRY=${MASKAHEAD_DRY_RUN:-0}
+start=$(date +%s)
+left() { echo $(( ${BUDGET_S:-480} - ($(date +%s) - start) )); }
+
+"$PY" -c 'import jax; print(jax.__version__, jax.default_backend(), jax.devices())' | tee "$OUT/env.txt"
+
+if [ "$DRY" = "1" ]; then
+  timeout 120 "$PY" -m pytest -q -x tests/test_kernels.py -k "dispatch or reference" 2>&1 | tail -5 | tee "$OUT/kernels.log"
+  timeout 300 "$PY" -m maskahead_jax.profile --model maskahead_jax/testbed --prompt-len 96 --out-len 64 \
+    --batch 1,2 --policies dense,maskahead,q-maskahead --capacity 10 --repeats 1 \
+    --out "$OUT/profile_dry.json" 2>&1 | tail -20 | tee "$OUT/profile_dry.log"
+  exit ${PIPESTATUS[0]}
+fi
+
+timeout 120 "$PY" -m pytest -q tests/test_kernels.py 2>&1 | tail -30 | tee "$OUT/kernels.log"
+rc=0
+for spec in "8192 1,8,32" "32768 1,8"; do
+  set -- $spec
+  t=$(left)
+  if [ "$t" -lt 60 ]; then echo "skip prompt $1: ${t}s left" | tee -a "$OUT/skipped.txt"; continue; fi
+  timeout "$t" "$PY" -m maskahead_jax.profile --shape fast-dllm-v2-7b --prompt-len "$1" --out-len 128 \
+    --batch "$2" --policies dense,maskahead,q-maskahead --capacity 10 --repeats 3 \
+    --kv-budget-gb 100 --out "$OUT/profile_$1.json" 2>&1 | tail -40 | tee "$OUT/profile_$1.log"
+  rc=$(( rc | PIPESTATUS[0] ))
+done
+exit $rc
