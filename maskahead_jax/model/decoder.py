@@ -44,7 +44,7 @@ class Context(NamedTuple):
     """Keys/values a block reads besides itself, for a contiguous range of layers.
 
     k, v [Lr, B, Hkv, S, D] (post-RoPE); valid [Lr, B, Hkv, S] bool.  Or packed: k a QuantKV with
-    leading axes [Lr, B, Hkv] and v None (qcache.QKVCache.context()).
+    leading axes [Lr, B, Hkv] and v None (cache.packed.QKVCache.context()).
     """
 
     k: jax.Array
@@ -123,7 +123,7 @@ def attention_sublayer(p, x, cos, sin, cfg: ModelConfig, ctx, blk_mask, stat_row
         out, stats = ref.attention(qg, None, None, None, kb, vb, blk_mask)
     else:
         kc, vc, valid = ctx
-        if isinstance(kc, QuantKV):  # packed context (qcache.QKVCache): dequantized in the layer body
+        if isinstance(kc, QuantKV):  # packed context (cache.packed.QKVCache): dequantized in the layer body
             out, stats = scored_attention_quant(qg, kc, valid, kb, vb, blk_mask, stat_rows,
                                                 impl=PACKED_ATTENTION_IMPL)
         else:
