@@ -21,7 +21,7 @@ def policy_key(name: str) -> str:
     return str(name).strip().lower().replace("_", "-")
 
 
-def _split_items(text: str) -> list[str]:
+def split_items(text: str) -> list[str]:
     """Split on the commas outside brackets / quotes ('a=[1,2],b=3' -> ['a=[1,2]', 'b=3'])."""
     out, cur, depth, quote = [], "", 0, None
     for ch in text:
@@ -49,7 +49,7 @@ def parse_policy_kw(text: Optional[str]) -> dict:
     import json
 
     out = {}
-    for item in _split_items(text or ""):
+    for item in split_items(text or ""):
         item = item.strip()
         if not item:
             continue

@@ -28,7 +28,8 @@ import numpy as np
 from ..config import GenerationConfig
 from . import atomic
 from .datasets import EvalExample, Tokenizer, score_example
-from .policies import PolicyError, make_policy, policy_budgets, run_label, takes_budget, validate_policy
+from .policies import (PolicyError, make_policy, policy_budgets, run_label, split_items, takes_budget,
+                       validate_policy)
 from .stats import paired_sign_test
 
 REFERENCE = "maskahead"
@@ -143,23 +144,11 @@ def _repr_items(r: str) -> dict:
     m = re.match(r"^([\w.]+)\((.*)\)$", r, re.S)
     if not m:
         return {"repr": r}
-    out, depth, cur, quote = {"class": m.group(1)}, 0, "", None
-    for ch in m.group(2) + ",":
-        if quote:
-            quote = None if ch == quote else quote
-        elif ch in "'\"":
-            quote = ch
-        elif ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-        elif ch == "," and depth == 0:
-            k, _, v = cur.strip().partition("=")
-            if k:
-                out[k] = v
-            cur = ""
-            continue
-        cur += ch
+    out = {"class": m.group(1)}
+    for item in split_items(m.group(2)):
+        k, _, v = item.strip().partition("=")
+        if k:
+            out[k] = v
     return out
 
 
