@@ -248,16 +248,23 @@ def _kw(text) -> dict:
         raise CLIError(str(e)) from None
 
 
-def _policies(cfg, gen, policies: Sequence[str], capacities, kw: dict, max_new: Optional[int] = None):
+def _policies(cfg, gen, policies: Sequence[str], capacities, kw: dict, max_new: Optional[int] = None,
+              preset: Optional[str] = None):
     """Build and validate every (policy, capacity) against the model config before anything is
     loaded or run; returns (factory(name, capacity), {(name, capacity): policy}). PolicyError:
-    unknown name, knob or knob type, a budget out of range, inconsistent settings."""
-    from .evaluation.policies import make_policy, policy_key, resolve_policy_kw
+    unknown name, knob or knob type, a budget out of range, inconsistent settings. The preset's
+    policy knobs (its scaled floors) go to the policies that have them, under --policy-kw."""
+    from .evaluation.policies import knobs, make_policy, policy_key, resolve_policy_kw
+    from .evaluation.presets import preset_policy_knobs
     from .evaluation.sweep import build_policies
 
     if not policies:
         raise CLIError("no policies given")
     per = resolve_policy_kw(policies, kw)
+    for name, given in per.items():
+        for k, v in preset_policy_knobs(preset).items():
+            if k in knobs(name) and k not in given:
+                given[k] = v
 
     def factory(name, cap):
         return make_policy(name, cap, **per[policy_key(name)])
@@ -316,7 +323,8 @@ def _add_model(p, default_testbed=True):
                    help="force the model family (default: from config.json; a plain autoregressive "
                         "qwen2 / qwen3 config is refused without it)")
     p.add_argument("--preset", default=None,
-                   help="decoding preset: fast-dllm-v2, dream-reasoner, sdar, llada2-mini, llada, dream, testbed")
+                   help="decoding preset: fast-dllm-v2, dream-reasoner, sdar, llada2-mini, llada, dream, testbed "
+                        "(testbed also scales the policy floors: capacity_floor=64, topk_floor=32, recent=32)")
     p.add_argument("--threshold", type=_threshold, default=None, help="override the commit threshold, in (0, 1]")
     p.add_argument("--block-size", type=_pos_int, default=None)
     p.add_argument("--policy-kw", default=None, help=POLICY_KW_HELP)
@@ -443,7 +451,7 @@ def cmd_generate(args) -> int:
     cfg = _model_config(path, args.family)
     gen = _gen(args, args.max_new_tokens)
     cap = args.capacity if takes_budget(args.policy) else None
-    _, built = _policies(cfg, gen, [args.policy], [cap], kw, args.max_new_tokens)
+    _, built = _policies(cfg, gen, [args.policy], [cap], kw, args.max_new_tokens, args.preset)
     (policy,) = built.values()
     tok = load_tokenizer(path)
     if ids is None:
@@ -487,7 +495,7 @@ def cmd_eval(args) -> int:
     path = _model_path(args.model)
     cfg = _model_config(path, args.family)
     gen = _gen(args)
-    factory, _ = _policies(cfg, gen, policies, caps, kw, args.max_new_tokens)
+    factory, _ = _policies(cfg, gen, policies, caps, kw, args.max_new_tokens, args.preset)
 
     tok = D.load_tokenizer(path)
     exs = []

@@ -53,3 +53,22 @@ def test_absolute_budget_keeps_that_many_entries():
     assert all(live <= 24 + 8 for live in out.stats["live_entries"])
     with pytest.raises(PolicyError, match="capacity_entries=4 is below recent \\+ sinks = 10"):
         generate(m, PROMPT, GC, policy=make("maskahead", kv_entries=4, recent=8, sinks=2))
+
+
+def test_testbed_preset_carries_scaled_floors(tmp_path):
+    """`--preset testbed` brings the floors docs/results.md uses to the policies that have them;
+    --policy-kw still wins."""
+    import argparse
+
+    from maskahead_jax import cli
+    from maskahead_jax.evaluation.presets import preset_config, preset_policy_knobs
+
+    assert preset_policy_knobs("testbed") == dict(capacity_floor=64, topk_floor=32, recent=32)
+    assert preset_policy_knobs("sdar") == {} and preset_policy_knobs(None) == {}
+    cfg = tiny_model("sdar").config
+    gen = preset_config("testbed", 16)
+    _, built = cli._policies(cfg, gen, ["maskahead", "snapkv"], [10.0], {"maskahead:recent": 16},
+                             preset="testbed")
+    ma, sk = built[("maskahead", 10.0)], built[("snapkv", 10.0)]
+    assert (ma.capacity_floor, ma.topk_floor, ma.recent) == (64, 32, 16)
+    assert (sk.capacity_floor, sk.topk_floor) == (64, 32) and not hasattr(sk, "recent")

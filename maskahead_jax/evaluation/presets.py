@@ -23,9 +23,23 @@ PRESETS: dict[str, tuple[dict, str]] = {
     "testbed": (dict(), "the shipped testbed model: its config.json defaults (threshold 0.95, dynamic)"),
 }
 
+# policy knobs a preset brings (each applies to the policies that have it; --policy-kw overrides):
+# the released floors (capacity 512 / top-k 256) exceed 10% of the testbed's 512-2048-token
+# prompts, so the testbed preset scales them as docs/results.md §2 does
+POLICY_KNOBS: dict[str, dict] = {
+    "testbed": dict(capacity_floor=64, topk_floor=32, recent=32),
+}
+
 ALIASES = {"fast_dllm_v2": "fast-dllm-v2", "fastdllm": "fast-dllm-v2", "dreamreasoner": "dream-reasoner",
            "dream_reasoner": "dream-reasoner", "llada2": "llada2-mini", "llada2.0-mini": "llada2-mini",
            "llada2_mini": "llada2-mini"}
+
+
+def preset_policy_knobs(name: str | None) -> dict:
+    """The policy knobs a preset carries ({} for none)."""
+    if not name:
+        return {}
+    return dict(POLICY_KNOBS.get(ALIASES.get(name.lower(), name.lower()), {}))
 
 
 def preset_config(name: str | None = None, max_new_tokens: int = 64, **overrides) -> GenerationConfig:
