@@ -188,9 +188,9 @@ def _key_refs(ctx, kd_smem, key_refs, tile, dp, cpb):
     if ctx.kind == "float":
         return [key_refs[0]]
     for p, kp in enumerate(_dequant_keys(*key_refs, ctx.bits, tile, dp)):
-        kd_smem[p] = kp.astype(ctx.dtype)
+        kd_smem[p][...] = kp.astype(ctx.dtype)
     plgpu.commit_smem()  # make the stores visible to the async proxy (wgmma)
-    return [kd_smem.at[p] for p in range(cpb)]
+    return list(kd_smem)
 
 
 def _value_refs(ctx, vd_smem, val_refs, tile, dp, cpb):
@@ -198,9 +198,9 @@ def _value_refs(ctx, vd_smem, val_refs, tile, dp, cpb):
     if ctx.kind == "float":
         return [val_refs[0]]
     for p, vp in enumerate(_dequant_values(*val_refs, ctx.bits, tile, dp)):
-        vd_smem[p] = vp.astype(ctx.dtype)
+        vd_smem[p][...] = vp.astype(ctx.dtype)
     plgpu.commit_smem()
-    return [vd_smem.at[p] for p in range(cpb)]
+    return list(vd_smem)
 
 
 def _logits(q_refs, k_refs, tile, scale):
@@ -227,8 +227,10 @@ def _scratch(ctx, cpb, tile, dp, rows=BLOCK_R):
     q = plgpu.SMEM((cpb, rows, dp), ctx.dtype, transforms=q_tr)
     if ctx.kind == "float":
         return (q,)
-    kv = plgpu.SMEM((cpb, tile, dp), ctx.dtype, transforms=_mma_transforms(dp, ctx.dtype))
-    return q, kv, kv
+    # one ref per plane: a plane index into a stacked ref would be a scalar that pl.run_state
+    # (the PV accumulator step) closes over, which jax >= 0.11 cannot lower (see pass1)
+    kv = plgpu.SMEM((tile, dp), ctx.dtype, transforms=_mma_transforms(dp, ctx.dtype))
+    return (q,) + (kv,) * (2 * cpb)
 
 
 def pass1(q_planes, ctx: Ctx, valid, *, tile: int, splits: int, interpret=False) -> Partial:
@@ -248,7 +250,7 @@ def pass1(q_planes, ctx: Ctx, valid, *, tile: int, splits: int, interpret=False)
         c_refs, v_ref = refs[:n_arr], refs[n_arr]
         m_out, l_out, acc_out = refs[n_arr + 1:n_arr + 4]
         q_smem, o_smem, ml_smem, bar, *kv_smem = refs[n_arr + 4:]
-        kd_smem, vd_smem = kv_smem if kv_smem else (None, None)
+        kd_smem, vd_smem = kv_smem[:cpb], kv_smem[cpb:]
         bh, rb, sp = lax.axis_index("bh"), lax.axis_index("rb"), lax.axis_index("sp")
         start = sp * (tps * tile)
         plgpu.copy_gmem_to_smem(q_ref.at[bh, :, pl.ds(rb * BLOCK_R, BLOCK_R)], q_smem, bar.at[0])
@@ -289,7 +291,8 @@ def pass1(q_planes, ctx: Ctx, valid, *, tile: int, splits: int, interpret=False)
         ml_smem[1] = l
         plgpu.commit_smem()
         rows = pl.ds(rb * BLOCK_R, BLOCK_R)
-        plgpu.copy_smem_to_gmem(o_smem, acc_out.at[bh, sp, :, rows])
+        for p in range(cpb):  # one 2-D copy per plane: TMA strides at most 5 dims (jax 0.12)
+            plgpu.copy_smem_to_gmem(o_smem.at[p], acc_out.at[bh, sp, p, rows])
         plgpu.copy_smem_to_gmem(ml_smem.at[0], m_out.at[bh, sp, rows])
         plgpu.copy_smem_to_gmem(ml_smem.at[1], l_out.at[bh, sp, rows])
         plgpu.wait_smem_to_gmem(0)
@@ -341,7 +344,7 @@ def pass2(q_planes, ctx: Ctx, valid, lse, w, centre_p, *, tile: int, interpret=F
         c_refs, v_ref, lw_ref, cen_ref = refs[:n_arr], *refs[n_arr:n_arr + 3]
         mass_out, d2_out = refs[n_arr + 3:n_arr + 5]
         q_smem, lw_smem, c_smem, bar, *kv_smem = refs[n_arr + 5:]
-        kd_smem, vd_smem = kv_smem if kv_smem else (None, None)
+        kd_smem, vd_smem = kv_smem[:cpb], kv_smem[cpb:]
         bh, sp = lax.axis_index("bh"), lax.axis_index("sp")
         start = sp * (tps * tile)
         plgpu.copy_gmem_to_smem(q_ref.at[bh], q_smem, bar.at[0])
