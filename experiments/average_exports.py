@@ -6,23 +6,18 @@
 Why: a run fine-tuned from an export trades one skill for another (stages 14-18 in
 docs/testbed_history.md: retrieval up, the long answer down). Both ends of such a run lie in one
 basin, so a weighted mean of their parameters is a model too, and often keeps what each end was good at. The result is
-written as an HF-layout folder (config, bfloat16 safetensors, tokenizer), like train_testbed's
-export, and loads with `load_pretrained`.
+written as an HF-layout folder (config, bfloat16 safetensors, tokenizer), like the training
+export (experiments/testbed/export.py), and loads with `load_pretrained`.
 """
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import jax
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from experiments.train_testbed import export_hf  # noqa: E402
-from maskahead_jax.api import load_pretrained  # noqa: E402
+from experiments.testbed.export import export_hf
+from maskahead_jax.api import load_pretrained
 
 
 def average_params(trees: list, weights: list[float]):

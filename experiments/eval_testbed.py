@@ -8,7 +8,8 @@ Decoding: threshold decoding (commit every masked position of the current block 
 probability >= --threshold, at least the most confident one per step), block by block; the
 threshold defaults to the model's own (config.json `threshold`). The default
 engine is the library's cached, jitted `generate` with a KV-cache policy (dense by default);
-`--engine reference` decodes with no cache (a full forward per step). Held-out seeds start at
+`--engine reference` is the library's uncached reference decoder (maskahead_jax/engine/reference.py:
+a full forward per step, one prompt at a time; the ground truth `generate` is tested against). Held-out seeds start at
 --seed (training draws its seeds from [1e7, 2^31)).
 
 With --results FILE.jsonl every finished cell is appended to FILE (its per-example scores and the
@@ -33,15 +34,14 @@ import time
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from maskahead_jax import GenerationConfig, generate, load_pretrained
+from maskahead_jax import tasks as T
+from maskahead_jax.engine.reference import reference_generate
+from maskahead_jax.evaluation.datasets import TESTBED_MAX_NEW as MAX_NEW  # (the suite's budgets)
+from maskahead_jax.evaluation.policies import make_policy, parse_policy_kw
+from maskahead_jax.evaluation.stats import paired_sign_test
 
-from experiments.train_testbed import greedy_answers, make_decoder  # noqa: E402
-from maskahead_jax import GenerationConfig, generate, load_pretrained  # noqa: E402
-from maskahead_jax import tasks as T  # noqa: E402
-from maskahead_jax.evaluation.datasets import TESTBED_MAX_NEW as MAX_NEW  # noqa: E402  (the suite's budgets)
-from maskahead_jax.evaluation.policies import make_policy, parse_policy_kw  # noqa: E402
-from maskahead_jax.evaluation.stats import paired_sign_test  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Per-task diagnostics recorded beside the score (a --results field, and "<task>_<field>" in the
 # JSON): did two-hop's chain name the asked case's unit; was document QA's first word right.
@@ -62,7 +62,7 @@ def main(argv=None):
                     help="commit threshold (default: the model's config.json `threshold`)")
     ap.add_argument("--engine", choices=("cached", "reference"), default="cached",
                     help="cached: the library's jitted generate with a KV-cache policy; reference: "
-                         "no cache, a full forward per step")
+                         "the library's uncached reference decoder (a full forward per step)")
     ap.add_argument("--policy", default="dense", help="cached engine: a policy name (dense, streaming, ...)")
     ap.add_argument("--capacity", type=float, default=10.0, help="cached engine: capacity %% for --policy")
     ap.add_argument("--policy-kw", default="", help="policy knobs key=value,... (e.g. capacity_floor=64)")
@@ -80,9 +80,8 @@ def main(argv=None):
         print(json.dumps(compare_results(args.compare), indent=1))
         return
     if args.engine == "reference":
-        ref = load_pretrained(args.model, dtype="float32")
-        model_or_ref = (ref.params, ref.config, make_decoder(ref.config))
-        cfg = ref.config
+        model_or_ref = load_pretrained(args.model, dtype="float32")
+        cfg = model_or_ref.config
     else:
         model = load_pretrained(args.model)
         cfg = model.config
@@ -133,13 +132,12 @@ def evaluate_cell(args, model_or_ref, tok, task: str, n: int, depth: float):
     for b in range(0, len(exs), args.batch):
         chunk = exs[b:b + args.batch]
         ids = [tok.encode(e.prompt).ids for e in chunk]
-        if args.engine == "reference":
-            params, cfg, pred = model_or_ref
-            outs = greedy_answers(params, cfg, pred, ids, MAX_NEW[task], threshold=args.threshold)
+        gen = GenerationConfig(max_new_tokens=MAX_NEW[task], threshold=args.threshold)
+        if args.engine == "reference":  # the library's uncached decoder, one prompt at a time
+            outs = [reference_generate(model_or_ref, p, gen) for p in ids]
         else:
             model, policy = model_or_ref
-            outs = generate(model, ids, GenerationConfig(max_new_tokens=MAX_NEW[task],
-                                                         threshold=args.threshold), policy).tokens
+            outs = generate(model, ids, gen, policy).tokens
         texts = [tok.decode(o) for o in outs]
         scores += [float(e.score(t)) for e, t in zip(chunk, texts)]
         if task in DIAGNOSTICS:

@@ -2,7 +2,7 @@
 
     python experiments/probe_retrieval.py [--model DIR] [--length 128] [--n 16]
 
-For each kind of training sequence (experiments/train_testbed.py) the probe runs one two-copy
+For each kind of training sequence (experiments/testbed/data.py) the probe runs one two-copy
 forward (the training layout: noisy copy x_t reading the clean copy x0 of earlier blocks) with
 *only the answer tokens* masked, and reports the accuracy of the argmax on those tokens:
 
@@ -22,43 +22,41 @@ import argparse
 import json
 import os
 import random
-import sys
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
+from experiments.testbed.data import BLOCK, copy_sequence, mqar_sequence, train_sequence
+from experiments.testbed.objective import two_copy_logits
+from maskahead_jax import tasks as T
+from maskahead_jax.api import load_pretrained
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from experiments import train_testbed as tt  # noqa: E402
-from maskahead_jax import tasks as T  # noqa: E402
-from maskahead_jax.api import load_pretrained  # noqa: E402
 
 KINDS = ("copy", "mqar_few", "mqar", "multikey_packed", "multikey")
 
 
 def _sequence(kind: str, r: random.Random, L: int, tok, w_ans: float):
     if kind == "copy":
-        return tt.copy_sequence(r, L, tok, w_ans)
+        return copy_sequence(r, L, tok, w_ans)
     if kind == "mqar_few":
-        return tt.mqar_sequence(r, L, tok, w_ans, pairs=(2, 4))
+        return mqar_sequence(r, L, tok, w_ans, pairs=(2, 4))
     if kind == "mqar":
-        return tt.mqar_sequence(r, L, tok, w_ans)
+        return mqar_sequence(r, L, tok, w_ans)
     only_multikey = (0, 1, 0, 0, 0)
     packed = 1.0 if kind == "multikey_packed" else 0.0
-    return tt.train_sequence(r, L, tok, w_ans, packed, 0.0, only_multikey, (1, 0, 0, 0))
+    return train_sequence(r, L, tok, w_ans, packed, 0.0, only_multikey, (1, 0, 0, 0))
 
 
 def probe(params, cfg, tok, L: int = 128, n: int = 16, seed: int = 12345, kinds=KINDS) -> dict:
-    """Answer-token accuracy per kind (answers = the tokens train_testbed weights as answers)."""
-    if L % tt.BLOCK:
-        raise ValueError(f"length {L} must be a multiple of the block size {tt.BLOCK}")
+    """Answer-token accuracy per kind (answers = the tokens the training data weights as answers)."""
+    if L % BLOCK:
+        raise ValueError(f"length {L} must be a multiple of the block size {BLOCK}")
 
     @jax.jit
     def predict(xt, x0):
-        return tt.two_copy_logits(params, cfg, xt, x0).argmax(-1)
+        return two_copy_logits(params, cfg, xt, x0).argmax(-1)
 
     w_ans = 3.0
     r = random.Random(seed)

@@ -5,9 +5,9 @@ report and a final summary.
     python experiments/recall_control.py --pairs 2:4 --minutes 6                   # causal LM
     python experiments/recall_control.py --pairs 2:4 --mask-answers --block 32     # answers masked
 
-The model is the testbed's SDAR layout (experiments/train_testbed.make_config) with 2 layers, trained
+The model is the testbed's SDAR layout (experiments/testbed/config.make_config) with 2 layers, trained
 with next-token loss on the answer tokens only (the values of the query part of
-train_testbed.mqar_sequence). `--mask-answers` replaces those values in the input by [MASK] (so an
+experiments/testbed/data.mqar_sequence). `--mask-answers` replaces those values in the input by [MASK] (so an
 earlier query's answer is not visible to a later one, as in block diffusion where the answers are
 the masks); `--block N` lets positions read their whole N-token block (block-causal, as the
 testbed does), which needs `--mask-answers` so that no answer is read by its own predictor.
@@ -19,24 +19,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import sys
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
-
-from experiments import train_testbed as tt  # noqa: E402
-from maskahead_jax import tasks as T  # noqa: E402
-from maskahead_jax.model.decoder import forward_hidden, lm_head  # noqa: E402
-from maskahead_jax.model.init import init_params  # noqa: E402
+from experiments.testbed.config import make_config
+from experiments.testbed.data import MQAR_TEMPLATES, PACKED_TASKS, mqar_sequence, parse_pairs, train_sequence
+from experiments.testbed.export import export_hf
+from experiments.testbed.surgery import load_init
+from maskahead_jax import tasks as T
+from maskahead_jax.model.decoder import forward_hidden, lm_head
+from maskahead_jax.model.init import init_params
 
 ANSWER_WEIGHT = 3.0
 
@@ -65,12 +62,12 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pairs", default="2:4", help="LO:HI key-value pairs per sequence (train_testbed --mqar-pairs)")
     ap.add_argument("--data", default="mqar",
-                    help="mqar: one-token keys (train_testbed.mqar_sequence); task names (comma list of "
-                         f"{', '.join(tt.PACKED_TASKS)}): those tasks' fact-packed contexts with extra "
-                         "questions, drawn with equal weights (train_testbed.train_sequence, packed)")
+                    help="mqar: one-token keys (experiments/testbed/data.mqar_sequence); task names (comma list of "
+                         f"{', '.join(PACKED_TASKS)}): those tasks' fact-packed contexts with extra "
+                         "questions, drawn with equal weights (experiments/testbed/data.train_sequence, packed)")
     ap.add_argument("--key-words", type=int, choices=(1, 2), default=1, help="mqar: words per key")
     ap.add_argument("--link", default="", help='mqar: a word between key and value, e.g. "is"')
-    ap.add_argument("--template", choices=tt.MQAR_TEMPLATES, default="list",
+    ap.add_argument("--template", choices=MQAR_TEMPLATES, default="list",
                     help="mqar: recall list, the task's fact sentences, or its questions (mqar_sequence)")
     ap.add_argument("--switch", type=int, default=0, help="after this many steps use the default pair counts")
     ap.add_argument("--mask-answers", action="store_true")
@@ -96,19 +93,19 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if a.block > 1 and not a.mask_answers:
         raise SystemExit("--block > 1 needs --mask-answers: otherwise an answer is read by its own predictor")
-    pairs = tt.parse_pairs(a.pairs)
+    pairs = parse_pairs(a.pairs)
     data = a.data.split(",")
-    bad = [d for d in data if d not in tt.PACKED_TASKS] if data != ["mqar"] else []
+    bad = [d for d in data if d not in PACKED_TASKS] if data != ["mqar"] else []
     if bad:
-        raise SystemExit(f"bad --data {a.data!r}: unknown {bad}; use mqar or tasks of {tt.PACKED_TASKS}")
-    packed = tuple(float(t in data) for t in tt.PACKED_TASKS)
+        raise SystemExit(f"bad --data {a.data!r}: unknown {bad}; use mqar or tasks of {PACKED_TASKS}")
+    packed = tuple(float(t in data) for t in PACKED_TASKS)
     tok = T.build_tokenizer()
     margs = argparse.Namespace(layout="qwen3", d_model=a.d_model, heads=a.heads, kv_heads=a.kv_heads,
                                ffn=a.ffn or 2 * a.d_model, layers=a.layers, rope_theta=1e4)
-    cfg = tt.make_config(margs, 1536)
+    cfg = make_config(margs, 1536)
     params = init_params(cfg, jax.random.PRNGKey(a.seed))
     if a.init_from:
-        params = tt.load_init(a.init_from, params)
+        params = load_init(a.init_from, params)
     sched = optax.warmup_constant_schedule(0.0, a.lr, 200)
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, b1=0.9, b2=0.98, weight_decay=0.0))
     opt_state = opt.init(params)
@@ -125,10 +122,10 @@ def main(argv=None):
     while time.time() - t0 < 60 * a.minutes and (not a.max_steps or n < a.max_steps):
         p = None if (a.switch and n >= a.switch) else pairs
         if data != ["mqar"]:
-            xs, ws = zip(*[tt.train_sequence(r, a.length, tok, ANSWER_WEIGHT, 1.0, 0.0, (0, 1, 0, 0, 0),
+            xs, ws = zip(*[train_sequence(r, a.length, tok, ANSWER_WEIGHT, 1.0, 0.0, (0, 1, 0, 0, 0),
                                              packed) for _ in range(a.batch)])
         else:
-            xs, ws = zip(*[tt.mqar_sequence(r, a.length, tok, ANSWER_WEIGHT, p, a.key_words, a.link,
+            xs, ws = zip(*[mqar_sequence(r, a.length, tok, ANSWER_WEIGHT, p, a.key_words, a.link,
                                             a.template)
                            for _ in range(a.batch)])
         params, opt_state, loss, acc = step(params, opt_state, np.stack(xs), np.stack(ws))
@@ -142,7 +139,7 @@ def main(argv=None):
                               "answer_accuracy": round(mean, 3)}), flush=True)
     last = float(np.mean(accs[-a.report_every:])) if accs else 0.0
     if a.save:
-        tt.export_hf(params, cfg, a.save)
+        export_hf(params, cfg, a.save)
     print(json.dumps({"summary": True, "steps": n, "pairs": a.pairs, "switch": a.switch,
                       "mask_answers": a.mask_answers, "block": a.block,
                       "first_step_at_or_above_0.5": first_half, "final_answer_accuracy": round(last, 3)}))

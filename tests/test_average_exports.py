@@ -1,26 +1,22 @@
 """experiments/average_exports.py: the weighted mean of exported folders, written as a folder the
 library loads; folders of other shapes and bad weights are refused with the reason."""
-import os
-import sys
+import argparse
 
 import jax
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "experiments"))
-
-import average_exports as ae  # noqa: E402
-import train_testbed as tt  # noqa: E402
-from test_train_testbed import _args  # noqa: E402
-
-from maskahead_jax import load_pretrained  # noqa: E402
-from maskahead_jax.model.init import init_params  # noqa: E402
+from experiments import average_exports as ae
+from experiments.testbed.config import make_config
+from experiments.testbed.export import export_hf
+from maskahead_jax import load_pretrained
+from maskahead_jax.model.init import init_params
 
 
-def _export(tmp_path, name, seed, **kw):
-    cfg = tt.make_config(_args(**kw), 1536)
-    return tt.export_hf(init_params(cfg, jax.random.PRNGKey(seed)), cfg, str(tmp_path / name))
+def _export(tmp_path, name, seed, layers=2):
+    shape = argparse.Namespace(d_model=32, heads=2, kv_heads=1, ffn=64, layers=layers, rope_theta=1e4)
+    cfg = make_config(shape, 1536)
+    return export_hf(init_params(cfg, jax.random.PRNGKey(seed)), cfg, str(tmp_path / name))
 
 
 def test_average_is_the_weighted_mean_of_the_loaded_weights(tmp_path):

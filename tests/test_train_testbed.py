@@ -1,5 +1,7 @@
-"""The testbed training script's pieces: data, noise, the two-copy mask, the gated curriculum, one
-optimisation step, and the exporter read back through the library's converter."""
+"""The testbed training package (experiments/testbed/) and its entry point
+(experiments/train_testbed.py): data, noise, the two-copy mask, the gated curriculum, one
+optimisation step, model surgery, the held-out probe and the exporter read back through the
+library's converter."""
 import argparse
 import os
 import random
@@ -10,15 +12,14 @@ import numpy as np
 import optax
 import pytest
 
+from experiments import train_testbed as tt
+from experiments.testbed import clock, config, data, export, objective, prefetch, surgery
+from maskahead_jax import load_pretrained
+from maskahead_jax import tasks as T
+from maskahead_jax.model.decoder import forward_logits
+from maskahead_jax.model.init import init_params
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "experiments"))
-
-import train_testbed as tt  # noqa: E402
-
-from maskahead_jax import load_pretrained  # noqa: E402
-from maskahead_jax import tasks as T  # noqa: E402
-from maskahead_jax.model.decoder import forward_logits  # noqa: E402
-from maskahead_jax.model.init import init_params  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,7 @@ def _args(**kw):
 @pytest.mark.parametrize("dense,copy", [(0.0, 0.0), (1.0, 0.0), (0.0, 1.0)])
 def test_sequences_exact_length_and_deterministic(tok, dense, copy):
     for L in (64, 256):
-        a = [tt.train_sequence(random.Random(3), L, tok, 3.0, dense, copy) for _ in range(2)]
+        a = [data.train_sequence(random.Random(3), L, tok, 3.0, dense, copy) for _ in range(2)]
         (x, w), (x2, w2) = a
         assert x.shape == w.shape == (L,) and x.dtype == np.int32
         np.testing.assert_array_equal(x, x2)
@@ -45,7 +46,7 @@ def test_sequences_exact_length_and_deterministic(tok, dense, copy):
 
 
 def test_copy_sequence_repeats_its_segment(tok):
-    x, w = tt.copy_sequence(random.Random(0), 256, tok, 3.0)
+    x, w = data.copy_sequence(random.Random(0), 256, tok, 3.0)
     again = tok.token_to_id("again")
     starts = [i + 2 for i in np.nonzero(x == again)[0] if i + 2 < 200]
     seg = x[1:np.nonzero(x == tok.token_to_id("."))[0][0]]
@@ -57,7 +58,7 @@ def test_copy_sequence_repeats_its_segment(tok):
 
 def test_make_batch_noise(tok):
     args = _args(suffix_prob=1.0)
-    xt, x0, masked, w = tt.make_batch(5, 0, 4, 128, tok, args, dense=0.5)
+    xt, x0, masked, w = data.make_batch(5, 0, 4, 128, tok, args, dense=0.5)
     assert xt.shape == x0.shape == masked.shape == w.shape == (4, 128)
     np.testing.assert_array_equal(xt == T.MASK_ID, masked)
     np.testing.assert_array_equal(np.where(masked, x0, xt), x0)
@@ -73,13 +74,13 @@ def test_prefetched_batches_equal_inline_batches(tok):
     args = _args(seed=3)
     alternating = lambda s: [(2, 64, 0.5), (3, 128, 0.2)][s % 2]  # noqa: E731
     single = lambda s: (1, 96, 0.3)  # noqa: E731
-    pf = tt.BatchPrefetcher(args, workers=1, ahead=3)
+    pf = prefetch.BatchPrefetcher(args, workers=1, ahead=3)
     try:
         for step in range(6):
             schedule = alternating if step < 4 else single
             got = pf.get(step, schedule)
             B, L, dense = schedule(step)
-            want = tt.make_batch(step, args.seed, B, L, tok, args, dense)
+            want = data.make_batch(step, args.seed, B, L, tok, args, dense)
             for g, w in zip(got, want):
                 np.testing.assert_array_equal(g, w)
             assert [(s, shape) for s, shape, _ in pf.queue] == [(s, schedule(s)) for s in range(step + 1, step + 3)]
@@ -90,7 +91,7 @@ def test_prefetched_batches_equal_inline_batches(tok):
 def test_mqar_sequence_answers_are_the_recalled_values(tok):
     """Every weighted query value is the value its key had in the recall list."""
     for seed in range(3):
-        x, w = tt.mqar_sequence(random.Random(seed), 160, tok, 3.0)
+        x, w = data.mqar_sequence(random.Random(seed), 160, tok, 3.0)
         assert x.shape == (160,) and w.shape == (160,)
         words = [tok.id_to_token(int(t)) for t in x]
         q = words.index("answer")
@@ -103,7 +104,7 @@ def test_mqar_sequence_answers_are_the_recalled_values(tok):
 
 def test_mqar_two_word_keys_with_a_link(tok):
     """key_words=2, link="is": "adj noun is v" facts; each answer follows "is" and its two-word key."""
-    x, w = tt.mqar_sequence(random.Random(1), 128, tok, 3.0, (2, 4), key_words=2, link="is")
+    x, w = data.mqar_sequence(random.Random(1), 128, tok, 3.0, (2, 4), key_words=2, link="is")
     words = [tok.id_to_token(int(t)) for t in x]
     q = words.index("answer")
     table = {(words[i], words[i + 1]): words[i + 3] for i in range(3, q - 1, 5)}
@@ -116,16 +117,16 @@ def test_mqar_two_word_keys_with_a_link(tok):
 def test_mqar_pairs_option(tok):
     """--mqar-pairs LO:HI bounds the recall list's length; bad ranges are refused by name."""
     for seed in range(5):
-        x, _ = tt.mqar_sequence(random.Random(seed), 64, tok, 3.0, pairs=tt.parse_pairs("2:4"))
+        x, _ = data.mqar_sequence(random.Random(seed), 64, tok, 3.0, pairs=data.parse_pairs("2:4"))
         words = [tok.id_to_token(int(t)) for t in x]
         q = words.index("answer")  # [BOS] recall : (k v ,) x n . answer
         assert (q - 4) % 3 == 0 and 2 <= (q - 4) // 3 <= 4
-    assert tt.parse_pairs(None) is None
+    assert data.parse_pairs(None) is None
     for bad in ("4:2", "1:3", "two"):
         with pytest.raises(SystemExit, match="--mqar-pairs"):
-            tt.parse_pairs(bad)
+            data.parse_pairs(bad)
     a = _args(seed=0, copy_prob=0.0, mqar_prob=1.0, mqar_pairs="2:3")
-    x0 = tt.make_batch(0, 0, 4, 64, tok, a)[1]
+    x0 = data.make_batch(0, 0, 4, 64, tok, a)[1]
     for row in x0:
         words = [tok.id_to_token(int(t)) for t in row]
         assert words[1] == "recall" and words.index("answer") in (4 + 3 * 2, 4 + 3 * 3)
@@ -133,10 +134,10 @@ def test_mqar_pairs_option(tok):
 
 def test_answer_mask_prob_masks_exactly_the_answers(tok):
     a = _args(seed=0, copy_prob=0.0, mqar_prob=1.0, answer_mask_prob=1.0)
-    xt, x0, masked, w = tt.make_batch(3, 0, 4, 64, tok, a)
+    xt, x0, masked, w = data.make_batch(3, 0, 4, 64, tok, a)
     np.testing.assert_array_equal(masked, w == 3.0)
     np.testing.assert_array_equal(xt == T.MASK_ID, masked)
-    mixed = tt.make_batch(3, 0, 64, 64, tok, _args(seed=0, copy_prob=0.0, mqar_prob=1.0, answer_mask_prob=0.5))
+    mixed = data.make_batch(3, 0, 64, 64, tok, _args(seed=0, copy_prob=0.0, mqar_prob=1.0, answer_mask_prob=0.5))
     rows = [(m == (ww == 3.0)).all() for m, ww in zip(mixed[2], mixed[3])]
     assert 0 < sum(rows) < 64  # some rows answer-only, the others with the usual random noise
 
@@ -145,16 +146,16 @@ def test_answer_mask_max_len_spares_long_answers(tok):
     """With --answer-mask-max-len 32, answer-only rows are drawn as before but a row whose answer
     is longer than a block (the long answer: ~126 tokens) keeps the usual noise; short-answer rows
     are unchanged."""
-    assert tt.longest_run(np.array([[1, 1, 0, 1, 1, 1, 0], [0] * 7], bool)).tolist() == [3, 0]
+    assert data.longest_run(np.array([[1, 1, 0, 1, 1, 1, 0], [0] * 7], bool)).tolist() == [3, 0]
     for weights, long in (("0,0,0,0,1", True), ("0.3,0.3,0.2,0.2,0", False)):
         a = _args(seed=0, copy_prob=0.0, answer_mask_prob=1.0, task_weights=weights)
         b = _args(seed=0, copy_prob=0.0, answer_mask_prob=1.0, task_weights=weights, answer_mask_max_len=32)
-        xt, x0, masked, w = tt.make_batch(1, 0, 4, 512, tok, a)
-        xt2, x02, masked2, w2 = tt.make_batch(1, 0, 4, 512, tok, b)
+        xt, x0, masked, w = data.make_batch(1, 0, 4, 512, tok, a)
+        xt2, x02, masked2, w2 = data.make_batch(1, 0, 4, 512, tok, b)
         np.testing.assert_array_equal(x0, x02)
         np.testing.assert_array_equal(masked, w == 3.0)  # without the limit: answer-only rows
         if long:
-            assert (tt.longest_run(w == 3.0) > 32).all()
+            assert (data.longest_run(w == 3.0) > 32).all()
             assert not any((m == (ww == 3.0)).all() for m, ww in zip(masked2, w2))
         else:
             np.testing.assert_array_equal(masked2, masked)
@@ -165,14 +166,14 @@ def test_answer_mask_max_len_spares_long_answers(tok):
 def test_task_weights_option(tok):
     """--task-weights with the default values reproduces the default batch; bad weights are refused;
     a multikey-only mix yields multikey prompts."""
-    base = tt.make_batch(2, 0, 3, 128, tok, _args(seed=0, copy_prob=0.0), dense=0.0)
-    same = tt.make_batch(2, 0, 3, 128, tok, _args(seed=0, copy_prob=0.0,
-                                                   task_weights=",".join(map(str, tt.TASK_WEIGHTS))), dense=0.0)
+    base = data.make_batch(2, 0, 3, 128, tok, _args(seed=0, copy_prob=0.0), dense=0.0)
+    same = data.make_batch(2, 0, 3, 128, tok, _args(seed=0, copy_prob=0.0,
+                                                   task_weights=",".join(map(str, data.TASK_WEIGHTS))), dense=0.0)
     for a, b in zip(base, same):
         np.testing.assert_array_equal(a, b)
     with pytest.raises(SystemExit, match="bad --task-weights"):
-        tt.make_batch(0, 0, 1, 64, tok, _args(seed=0, task_weights="1,2"), dense=0.0)
-    x0 = tt.make_batch(1, 0, 4, 128, tok, _args(seed=0, copy_prob=0.0, task_weights="0,1,0,0,0"), dense=0.0)[1]
+        data.make_batch(0, 0, 1, 64, tok, _args(seed=0, task_weights="1,2"), dense=0.0)
+    x0 = data.make_batch(1, 0, 4, 128, tok, _args(seed=0, copy_prob=0.0, task_weights="0,1,0,0,0"), dense=0.0)[1]
     assert all("special magic number" in tok.decode(list(row)) for row in x0)
 
 
@@ -182,11 +183,11 @@ def test_two_copy_logits_match_per_block_forwards(tok, shift):
     of [clean blocks < b, noisy block b]; shifted logits read position p - 1, and a block's first
     token the clean previous block's last position."""
     a = _args(logits_shift=shift)
-    cfg = tt.make_config(a, tok.get_vocab_size())
+    cfg = config.make_config(a, tok.get_vocab_size())
     params = init_params(cfg, jax.random.PRNGKey(1))
-    xt, x0, _, _ = tt.make_batch(0, 0, 2, 96, tok, _args(seed=0))
-    got = np.asarray(tt.two_copy_logits(params, cfg, xt, x0))
-    bs = tt.BLOCK
+    xt, x0, _, _ = data.make_batch(0, 0, 2, 96, tok, _args(seed=0))
+    got = np.asarray(objective.two_copy_logits(params, cfg, xt, x0))
+    bs = data.BLOCK
     for b in range(96 // bs):
         seq = np.concatenate([x0[:, :b * bs], xt[:, b * bs:(b + 1) * bs]], axis=1)
         ref = np.asarray(forward_logits(params, cfg, seq, attention="block_causal"))
@@ -201,8 +202,8 @@ def test_two_copy_logits_match_per_block_forwards(tok, shift):
 
 
 def test_two_copy_mask():
-    L, bs = 96, tt.BLOCK
-    m = tt.two_copy_mask(L)
+    L, bs = 96, data.BLOCK
+    m = objective.two_copy_mask(L)
     for q in (0, 40, 70):
         qb = q // bs
         # noisy query: its own noisy block and the clean blocks before it
@@ -217,31 +218,31 @@ def test_two_copy_mask():
 
 
 def test_alternating_stage_cycles_its_lengths():
-    st = tt.parse_stages("0:1024:4:0.3,0.8:512|2560:8|2:0.3")
+    st = clock.parse_stages("0:1024:4:0.3,0.8:512|2560:8|2:0.3")
     assert st[0] == (0.0, ((1024, 4),), 0.3)
-    assert [tt.stage_shape(st[1], s) for s in (10, 11, 12)] == [(512, 8), (2560, 2), (512, 8)]
+    assert [clock.stage_shape(st[1], s) for s in (10, 11, 12)] == [(512, 8), (2560, 2), (512, 8)]
     with pytest.raises(SystemExit, match="2 lengths but 1 batch"):
-        tt.parse_stages("0:512|1024:8")
+        clock.parse_stages("0:512|1024:8")
 
 
 def test_curriculum_is_gated():
-    st = tt.parse_stages("0:128:32:0.8,0.3:256:16,0.6:512:8:0.4")
+    st = clock.parse_stages("0:128:32:0.8,0.3:256:16,0.6:512:8:0.4")
     assert st[1] == (0.3, ((256, 16),), 0.0)
-    assert tt.curriculum(0.31, st, 0, heldout=0.0, gate=0.3) == 0  # no retrieval yet: stay
-    assert tt.curriculum(0.31, st, 0, heldout=0.5, gate=0.3) == 1  # retrieval: grow
-    assert tt.curriculum(0.46, st, 0, heldout=0.0, gate=0.3) == 1  # slack: grow anyway
-    assert tt.curriculum(0.99, st, 0, heldout=1.0, gate=0.3) == 2
-    assert tt.curriculum(0.99, st, 2, heldout=0.0, gate=0.3) == 2
+    assert clock.curriculum(0.31, st, 0, heldout=0.0, gate=0.3) == 0  # no retrieval yet: stay
+    assert clock.curriculum(0.31, st, 0, heldout=0.5, gate=0.3) == 1  # retrieval: grow
+    assert clock.curriculum(0.46, st, 0, heldout=0.0, gate=0.3) == 1  # slack: grow anyway
+    assert clock.curriculum(0.99, st, 0, heldout=1.0, gate=0.3) == 2
+    assert clock.curriculum(0.99, st, 2, heldout=0.0, gate=0.3) == 2
 
 
 def test_train_step_lowers_loss_on_a_fixed_batch(tok):
     args = _args()
-    cfg = tt.make_config(args, 1536)
+    cfg = config.make_config(args, 1536)
     params = init_params(cfg, jax.random.PRNGKey(0))
     opt = optax.inject_hyperparams(lambda learning_rate: optax.adamw(learning_rate))(learning_rate=3e-3)
     state = opt.init(params)
-    step = tt.make_train_step(cfg, opt, 64)
-    batch = tt.make_batch(0, 0, 4, 64, tok, args, dense=0.5)
+    step = objective.make_train_step(cfg, opt, 64)
+    batch = data.make_batch(0, 0, 4, 64, tok, args, dense=0.5)
     losses = []
     for _ in range(8):
         params, state, loss, _ = step(params, state, *batch)
@@ -249,14 +250,17 @@ def test_train_step_lowers_loss_on_a_fixed_batch(tok):
     assert np.isfinite(losses).all() and losses[-1] < losses[0]
 
 
-@pytest.mark.parametrize("tied", [True, False])
-def test_export_reads_back_through_converter(tmp_path, tied):
-    args = _args(untied=not tied)
-    cfg = tt.make_config(args, 1536)
+@pytest.mark.parametrize("tied,layout,shift", [(True, "qwen3", False), (False, "qwen3", True),
+                                               (True, "qwen2", True)])
+def test_export_reads_back_through_converter(tmp_path, tied, layout, shift):
+    """Every layout make_config builds (SDAR's qwen3, Fast-dLLM v2's qwen2) comes back from
+    load_pretrained as the same config and (to bfloat16 precision) the same function."""
+    args = _args(untied=not tied, layout=layout, logits_shift=shift)
+    cfg = config.make_config(args, 1536)
     params = init_params(cfg, jax.random.PRNGKey(1))
-    out = tt.export_hf(params, cfg, str(tmp_path))
+    out = export.export_hf(params, cfg, str(tmp_path))
     model = load_pretrained(out)
-    assert model.config.tie_embeddings == tied and model.config.vocab_size == 1536
+    assert model.config == cfg
     toks = np.asarray([[T.BOS_ID] + list(range(10, 40))], np.int32)
     want = forward_logits(params, cfg, toks)
     got = forward_logits(model.params, model.config, toks)
@@ -264,11 +268,96 @@ def test_export_reads_back_through_converter(tmp_path, tied):
     assert np.abs(np.asarray(got, np.float32) - np.asarray(want)).max() < 0.05
 
 
+def test_shipped_testbed_reexports_byte_identical(tmp_path):
+    """Loading the shipped export and exporting it again writes the very same three files, byte
+    for byte (weights through the converters' key tables, config.json, tokenizer)."""
+    shipped = os.path.join(ROOT, "maskahead_jax", "testbed")
+    model = load_pretrained(shipped, dtype="float32")
+    out = export.export_hf(model.params, model.config, str(tmp_path / "again"))
+    for name in ("model.safetensors", "config.json", "tokenizer.json"):
+        with open(os.path.join(shipped, name), "rb") as a, open(os.path.join(out, name), "rb") as b:
+            assert a.read() == b.read(), name
+
+
+def test_entry_point_reexports_the_package():
+    """experiments.train_testbed keeps the names other scripts imported from it, as the
+    package's own objects (one implementation)."""
+    for mod in (clock, config, data, export, objective, prefetch, surgery):
+        for name in getattr(mod, "__all__", None) or [n for n in vars(mod) if not n.startswith("_")]:
+            obj = getattr(mod, name)
+            if getattr(obj, "__module__", None) == mod.__name__ and hasattr(tt, name):
+                assert getattr(tt, name) is obj, name
+    for name in ("make_batch", "train_sequence", "mqar_sequence", "copy_sequence", "load_init",
+                 "make_config", "export_hf", "make_train_step", "two_copy_logits", "BatchPrefetcher",
+                 "ActiveClock", "parse_stages", "curriculum", "grow_layers", "grow_heads", "BLOCK",
+                 "data_options", "check_data_flags", "heldout_eval", "main"):
+        assert hasattr(tt, name), name
+    assert not hasattr(tt, "greedy_answers") and not hasattr(tt, "make_decoder")  # no decoder of its own
+
+
+def test_learning_rate_schedule():
+    """Linear warm-up over `warmup` steps, then a cosine from the peak to 10% over the budget;
+    --constant-lr keeps the peak after the warm-up."""
+    assert clock.learning_rate(0, 0.0, 1e-3, 10) == pytest.approx(1e-4)
+    assert clock.learning_rate(9, 0.0, 1e-3, 10) == pytest.approx(1e-3)
+    assert clock.learning_rate(500, 0.5, 1e-3, 10) == pytest.approx(0.55e-3)
+    assert clock.learning_rate(900, 1.0, 1e-3, 10) == pytest.approx(1e-4)
+    assert clock.learning_rate(900, 0.7, 1e-3, 10, constant=True) == pytest.approx(1e-3)
+
+
+def _documented_commands():
+    """Every train_testbed.py command written in the model card and the training log, as argv
+    (gpu_train_testbed.sh commands with the flags the script adds); continuation lines joined,
+    comments dropped, commands with a [placeholder] skipped."""
+    import re
+    import shlex
+
+    out = []
+    for rel in ("maskahead_jax/testbed/README.md", "docs/testbed_history.md"):
+        with open(os.path.join(ROOT, rel)) as f:
+            text = re.sub(r"\\\n\s*", " ", f.read())
+        for line in text.splitlines():
+            line = line.split(" # ")[0].strip()
+            m = re.search(r"(?:python3? experiments/train_testbed\.py|bash experiments/gpu_train_testbed\.sh)(.*)$", line)
+            if not m or "[" in m.group(1) or "<" in m.group(1):
+                continue
+            argv = shlex.split(m.group(1).split("`")[0])
+            if "gpu_train_testbed" in line:
+                argv += ["--workers", "2", "--run-dir", "/tmp/tb", "--out", "/tmp/out/export"]
+            out.append((rel, argv))
+    return out
+
+
+def test_documented_commands_still_parse():
+    """The card's and the training log's commands (every shipped stage's) parse with today's
+    command line and pass the startup checks."""
+    cmds = _documented_commands()
+    assert len(cmds) >= 20
+    assert any("--grow-heads" in argv for _, argv in cmds)  # the card's last step (stage 29)
+    for rel, argv in cmds:
+        args = tt.build_parser().parse_args(argv)
+        tt.check_data_flags(args)
+
+
+def test_heldout_eval_decodes_with_the_library(tok):
+    """The held-out probe decodes through maskahead_jax.generate: the shipped testbed retrieves
+    its pass keys, and the answers are generate's own on the same prompts."""
+    from experiments.testbed import heldout
+    from maskahead_jax import GenerationConfig, generate
+
+    model = load_pretrained(os.path.join(ROOT, "maskahead_jax", "testbed"), dtype="float32")
+    res = heldout.heldout_eval(model.params, model.config, tok, 192, n=3, tasks=("passkey",))
+    assert res == {"passkey": 1.0, "passkey_from_context": 1.0}
+    exs = heldout.heldout_examples("passkey", 192, 3, tok)
+    outs = generate(model, [tok.encode(e.prompt).ids for e in exs],
+                    GenerationConfig(max_new_tokens=heldout.MAX_NEW)).tokens
+    assert all(e.score(tok.decode(o)) == 1.0 for e, o in zip(exs, outs))
+
+
 def test_recall_control_runs_and_refuses_a_leaking_layout(capsys, tmp_path):
     """experiments/recall_control.py: a few steps report an answer accuracy in [0, 1] and export
     weights the library loads; block-causal attention without masked answers (an answer readable
     by its own predictor) is refused."""
-    sys.path.insert(0, ROOT)
     from experiments import recall_control as rc
 
     acc = rc.main(["--max-steps", "3", "--report-every", "1", "--batch", "4", "--d-model", "32",
@@ -308,7 +397,7 @@ def test_mqar_sentence_template_keeps_a_suffix_of_the_task_phrase(tok):
     phrase = "the special magic number for".split()
     leads = set()
     for seed in range(40):
-        x, w = tt.mqar_sequence(random.Random(seed), 128, tok, 3.0, (2, 4), key_words=2, template="sentence")
+        x, w = data.mqar_sequence(random.Random(seed), 128, tok, 3.0, (2, 4), key_words=2, template="sentence")
         words, table, answers = _facts_and_answers(tok, x, w)
         assert 2 <= len(table) <= 4 and answers
         for key, v in answers:
@@ -326,7 +415,7 @@ def test_mqar_sentence_template_keeps_a_suffix_of_the_task_phrase(tok):
 def test_mqar_question_template_is_the_multikey_question(tok):
     """template="question": facts are multi-key's sentences and each answer ends the task's own
     question, "what is the special magic number for K ? the special magic number for K is"."""
-    x, w = tt.mqar_sequence(random.Random(3), 256, tok, 3.0, key_words=2, template="question")
+    x, w = data.mqar_sequence(random.Random(3), 256, tok, 3.0, key_words=2, template="question")
     words, table, answers = _facts_and_answers(tok, x, w)
     assert len(answers) >= 2 and 256 // 48 <= len(table) <= max(2, 256 // 24)
     text = " ".join(words)
@@ -335,17 +424,17 @@ def test_mqar_question_template_is_the_multikey_question(tok):
         k = " ".join(key)
         assert f"what is the special magic number for {k} ? the special magic number for {k} is {v}" in text
     with pytest.raises(ValueError, match="unknown recall template"):
-        tt.mqar_sequence(random.Random(0), 64, tok, 3.0, template="poem")
+        data.mqar_sequence(random.Random(0), 64, tok, 3.0, template="poem")
 
 
 def test_mqar_templates_option(tok):
     """--mqar-templates: batches draw from the named templates; an unknown one is refused by name."""
-    assert tt.parse_templates(None) == ("list",)
-    assert tt.parse_templates("list, question") == ("list", "question")
+    assert data.parse_templates(None) == ("list",)
+    assert data.parse_templates("list, question") == ("list", "question")
     with pytest.raises(SystemExit, match="--mqar-templates"):
-        tt.parse_templates("list,poem")
+        data.parse_templates("list,poem")
     a = _args(seed=0, copy_prob=0.0, mqar_prob=1.0, mqar_templates="question")
-    x0 = tt.make_batch(0, 0, 4, 128, tok, a)[1]
+    x0 = data.make_batch(0, 0, 4, 128, tok, a)[1]
     for row in x0:
         words = [tok.id_to_token(int(t)) for t in row]
         assert words[1:6] == "the special magic number for".split() and "what" in words
@@ -356,21 +445,21 @@ def test_prompt_frac_sets_the_context_share(tok):
     of weight answer_weight; repeated questions follow) takes that share of the sequence."""
     def first_answer(frac):
         r = random.Random(5)
-        return [int(np.argmax(tt.train_sequence(r, 512, tok, 3.0, 0.0, 0.0, (1, 0, 0, 0, 0),
+        return [int(np.argmax(data.train_sequence(r, 512, tok, 3.0, 0.0, 0.0, (1, 0, 0, 0, 0),
                                                 prompt_frac=frac)[1] == 3.0)) for _ in range(4)]
     assert all(0.85 * 512 <= n < 512 for n in first_answer((0.9, 0.9))), first_answer((0.9, 0.9))
     assert all(0.25 * 512 <= n <= 0.4 * 512 for n in first_answer((0.3, 0.3))), first_answer((0.3, 0.3))
-    assert tt.parse_prompt_frac("0.5:0.92") == (0.5, 0.92) and tt.parse_prompt_frac(None) == tt.PROMPT_FRAC
+    assert data.parse_prompt_frac("0.5:0.92") == (0.5, 0.92) and data.parse_prompt_frac(None) == data.PROMPT_FRAC
 
 
 def test_grow_heads_keeps_the_function_and_trains_the_new_heads(tmp_path, tok):
     """--grow-heads: the wider model computes what the loaded one does (the new heads' rows of `wo`
     are zero and the old query heads keep their key/value heads) and one step moves those rows."""
-    small = tt.make_config(_args(), 1536)  # 2 query heads, 1 key-value head, head_dim 16
+    small = config.make_config(_args(), 1536)  # 2 query heads, 1 key-value head, head_dim 16
     params = init_params(small, jax.random.PRNGKey(3))
-    wide_cfg = tt.make_config(_args(heads=4, kv_heads=2, head_dim=16), 1536)
+    wide_cfg = config.make_config(_args(heads=4, kv_heads=2, head_dim=16), 1536)
     assert wide_cfg.head_dim == small.head_dim == 16
-    grown = tt.grow_heads(params, 4, 2, jax.random.PRNGKey(4))
+    grown = surgery.grow_heads(params, 4, 2, jax.random.PRNGKey(4))
     assert jax.tree_util.tree_map(np.shape, grown) == jax.tree_util.tree_map(
         np.shape, init_params(wide_cfg, jax.random.PRNGKey(0)))
     np.testing.assert_array_equal(grown["layers"]["wq"][:, :, :2], params["layers"]["wq"])
@@ -380,19 +469,19 @@ def test_grow_heads_keeps_the_function_and_trains_the_new_heads(tmp_path, tok):
     np.testing.assert_allclose(forward_logits(grown, wide_cfg, toks), forward_logits(params, small, toks),
                                rtol=1e-5, atol=1e-5)
 
-    out = tt.export_hf(params, small, str(tmp_path))  # through --init-from's loader
-    loaded = tt.load_init(out, init_params(wide_cfg, jax.random.PRNGKey(0)), (), widen_heads=True)
-    exported = tt.load_init(out, init_params(small, jax.random.PRNGKey(0)))  # (bfloat16 on disk)
+    out = export.export_hf(params, small, str(tmp_path))  # through --init-from's loader
+    loaded = surgery.load_init(out, init_params(wide_cfg, jax.random.PRNGKey(0)), (), widen_heads=True)
+    exported = surgery.load_init(out, init_params(small, jax.random.PRNGKey(0)))  # (bfloat16 on disk)
     np.testing.assert_allclose(forward_logits(loaded, wide_cfg, toks), forward_logits(exported, small, toks),
                                rtol=1e-5, atol=1e-5)
     with pytest.raises(SystemExit, match="shapes"):
-        tt.load_init(out, init_params(wide_cfg, jax.random.PRNGKey(0)))  # 2 heads into 4, not grown
+        surgery.load_init(out, init_params(wide_cfg, jax.random.PRNGKey(0)))  # 2 heads into 4, not grown
     with pytest.raises(SystemExit, match="cannot grow"):
-        tt.grow_heads(params, 3, 2, jax.random.PRNGKey(0))  # the grouping would change
+        surgery.grow_heads(params, 3, 2, jax.random.PRNGKey(0))  # the grouping would change
 
     opt = optax.adamw(1e-3)
-    step = tt.make_train_step(wide_cfg, opt, 64)
-    batch = tt.make_batch(0, 0, 2, 64, tok, _args(heads=4, kv_heads=2, head_dim=16))
+    step = objective.make_train_step(wide_cfg, opt, 64)
+    batch = data.make_batch(0, 0, 2, 64, tok, _args(heads=4, kv_heads=2, head_dim=16))
     new, _, loss, _ = step(grown, opt.init(grown), *batch)
     assert np.isfinite(float(loss)) and np.any(new["layers"]["wo"][:, 2:])
 
@@ -413,39 +502,38 @@ def test_bad_data_flags_fail_at_startup(flag, value, monkeypatch):
 def test_edge_depths_puts_needles_at_the_ends(tok, monkeypatch):
     """--edge-depths 1: every unpacked needle at depth 0 or 1, both used; 0 (the default) draws the
     very same batch as before the flag existed (no extra random draw)."""
-    base = tt.make_batch(4, 0, 6, 128, tok, _args(seed=0, copy_prob=0.0), dense=0.0)
-    same = tt.make_batch(4, 0, 6, 128, tok, _args(seed=0, copy_prob=0.0, edge_depths=0.0), dense=0.0)
+    base = data.make_batch(4, 0, 6, 128, tok, _args(seed=0, copy_prob=0.0), dense=0.0)
+    same = data.make_batch(4, 0, 6, 128, tok, _args(seed=0, copy_prob=0.0, edge_depths=0.0), dense=0.0)
     for a, b in zip(base, same):
         np.testing.assert_array_equal(a, b)
     depths, make = [], T.generate
-    monkeypatch.setattr(tt.T, "generate", lambda task, n, d, *a, **k: depths.append(d) or make(task, n, d, *a, **k))
+    monkeypatch.setattr(T, "generate", lambda task, n, d, *a, **k: depths.append(d) or make(task, n, d, *a, **k))
     r = random.Random(1)
     for _ in range(12):
-        tt.train_sequence(r, 256, tok, 3.0, 0.0, 0.0, (1, 1, 1, 1, 0), edge_depths=1.0)
+        data.train_sequence(r, 256, tok, 3.0, 0.0, 0.0, (1, 1, 1, 1, 0), edge_depths=1.0)
     assert len(depths) == 12 and set(depths) == {0.0, 1.0}
 
 
 def test_hard_keys_share_a_word_with_the_asked_key(tok, monkeypatch):
     """--hard-keys 1: every multi-key context asks make_multikey for 1-4 keys sharing a word with
     the asked one; 0 (the default) draws the very same batch as before the flag existed."""
-    base = tt.make_batch(4, 0, 6, 128, tok, _args(seed=0, copy_prob=0.0), dense=0.0)
-    same = tt.make_batch(4, 0, 6, 128, tok, _args(seed=0, copy_prob=0.0, hard_keys=0.0), dense=0.0)
+    base = data.make_batch(4, 0, 6, 128, tok, _args(seed=0, copy_prob=0.0), dense=0.0)
+    same = data.make_batch(4, 0, 6, 128, tok, _args(seed=0, copy_prob=0.0, hard_keys=0.0), dense=0.0)
     for a, b in zip(base, same):
         np.testing.assert_array_equal(a, b)
     asked, make = [], T.generate
-    monkeypatch.setattr(tt.T, "generate", lambda *a, **k: asked.append(k.get("n_sharing")) or make(*a, **k))
+    monkeypatch.setattr(T, "generate", lambda *a, **k: asked.append(k.get("n_sharing")) or make(*a, **k))
     r = random.Random(2)
     for _ in range(8):
-        tt.train_sequence(r, 512, tok, 3.0, 0.0, 0.0, (0, 1, 0, 0, 0), hard_keys=1.0)
+        data.train_sequence(r, 512, tok, 3.0, 0.0, 0.0, (0, 1, 0, 0, 0), hard_keys=1.0)
     assert len(asked) == 8 and all(1 <= k <= 4 for k in asked)
     with pytest.raises(SystemExit, match="--hard-keys"):
-        tt.data_options(_args(hard_keys=1.5))
+        data.data_options(_args(hard_keys=1.5))
 
 
 _CLOCK_CHILD = """
 import sys, time
-sys.path.insert(0, sys.argv[1])
-from train_testbed import ActiveClock
+from experiments.testbed.clock import ActiveClock
 clock = ActiveClock(tick=0.05, gap=1.0)
 a0, w0 = clock(), time.monotonic()
 print("ready", flush=True)
@@ -461,8 +549,9 @@ def test_active_clock_leaves_out_time_stopped():
     import subprocess
     import time
 
-    child = subprocess.Popen([sys.executable, "-c", _CLOCK_CHILD, os.path.join(ROOT, "experiments")],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    child = subprocess.Popen([sys.executable, "-c", _CLOCK_CHILD], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     try:
         assert child.stdout.readline().strip() == "ready"
         os.kill(child.pid, signal.SIGSTOP)
@@ -481,10 +570,10 @@ def test_active_clock_leaves_out_time_stopped():
 def test_grow_layers_keeps_the_function_and_trains_the_new_layers(tmp_path, tok):
     """--grow-after: the deeper model computes what the loaded one does (the new layers write zeros
     into the residual stream) and one step moves the new layers' output projections off zero."""
-    small = tt.make_config(_args(layers=2), 1536)
+    small = config.make_config(_args(layers=2), 1536)
     params = init_params(small, jax.random.PRNGKey(2))
-    deep_cfg = tt.make_config(_args(layers=4), 1536)
-    grown = tt.grow_layers(params, [0, 1])
+    deep_cfg = config.make_config(_args(layers=4), 1536)
+    grown = surgery.grow_layers(params, [0, 1])
     assert jax.tree_util.tree_map(np.shape, grown) == jax.tree_util.tree_map(
         np.shape, init_params(deep_cfg, jax.random.PRNGKey(0)))
     np.testing.assert_array_equal(grown["layers"]["wq"][1], params["layers"]["wq"][0])  # a copy of layer 0
@@ -493,18 +582,18 @@ def test_grow_layers_keeps_the_function_and_trains_the_new_layers(tmp_path, tok)
     np.testing.assert_allclose(forward_logits(grown, deep_cfg, toks), forward_logits(params, small, toks),
                                rtol=1e-5, atol=1e-5)
 
-    out = tt.export_hf(params, small, str(tmp_path))  # through --init-from's loader
-    loaded = tt.load_init(out, init_params(deep_cfg, jax.random.PRNGKey(0)), tt.parse_grow_after("1,0"))
+    out = export.export_hf(params, small, str(tmp_path))  # through --init-from's loader
+    loaded = surgery.load_init(out, init_params(deep_cfg, jax.random.PRNGKey(0)), surgery.parse_grow_after("1,0"))
     assert not np.any(loaded["layers"]["wo"][1])
     with pytest.raises(SystemExit, match="shapes"):
-        tt.load_init(out, init_params(deep_cfg, jax.random.PRNGKey(0)))  # 2 layers into 4, not grown
+        surgery.load_init(out, init_params(deep_cfg, jax.random.PRNGKey(0)))  # 2 layers into 4, not grown
     with pytest.raises(SystemExit, match="layer 2 does not exist"):
-        tt.grow_layers(params, [2])
+        surgery.grow_layers(params, [2])
     with pytest.raises(SystemExit, match="layer indices"):
-        tt.parse_grow_after("1,x")
+        surgery.parse_grow_after("1,x")
 
     opt = optax.adamw(1e-3)
-    step = tt.make_train_step(deep_cfg, opt, 64)
-    batch = tt.make_batch(0, 0, 2, 64, tok, _args(layers=4))
+    step = objective.make_train_step(deep_cfg, opt, 64)
+    batch = data.make_batch(0, 0, 2, 64, tok, _args(layers=4))
     new, _, loss, _ = step(grown, opt.init(grown), *batch)
     assert np.isfinite(float(loss)) and np.any(new["layers"]["wo"][1]) and np.any(new["layers"]["mlp"]["down"][3])

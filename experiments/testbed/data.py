@@ -1,0 +1,298 @@
+"""Training data of the testbed, generated on the fly (never stored): the task suite's formats with
+MQAR-style extra questions, fact-packed contexts, one-token-key associative recall and induction
+sequences; the two-copy noise (`make_batch`); the data flags' parsing.
+
+Batch contents depend only on (seed, step, B, L, dense) and the data flags, so a resumed run, a
+prefetching worker (`prefetch.py`) and an inline build all draw the very same batch.
+"""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+
+from maskahead_jax import tasks as T
+
+BLOCK = 32  # the testbed's block size: noise is drawn per 32-token block
+MQAR_TEMPLATES = ("list", "sentence", "question")  # mqar_sequence's recall templates
+
+
+def _ids(tok, text):
+    return tok.encode(text, add_special_tokens=False).ids
+
+
+def copy_sequence(r: random.Random, L: int, tok, answer_weight: float):
+    """Induction data: a random segment (numbers and words, 6-24 tokens) stated once, then repeated
+    after short filler ("again : <segment> ."), until L tokens. Every repeat is predictable only by
+    copying the earlier occurrence in order: the copy circuit that multi-digit answers need."""
+    from maskahead_jax.tasks import lexicon as LX
+    from maskahead_jax.tasks.suite import filler_sentence
+
+    parts = []
+    for _ in range(r.randint(2, 6)):
+        parts.append(T.suite._digits(r, r.randint(2, 8)) if r.random() < 0.6 else r.choice(LX.ALL_WORDS))
+    seg = _ids(tok, " ".join(parts))
+    ids = [T.BOS_ID] + seg + _ids(tok, ".")
+    w = [1.0] * len(ids)
+    while len(ids) < L:
+        fill = _ids(tok, " ".join(filler_sentence(r) for _ in range(r.randint(0, 2))))
+        pre = fill + _ids(tok, "again :")
+        ids += pre + seg + _ids(tok, ".")
+        w += [1.0] * len(pre) + [answer_weight] * len(seg) + [1.0]
+    return np.asarray(ids[:L], np.int32), np.asarray(w[:L], np.float32)
+
+
+def mqar_sequence(r: random.Random, L: int, tok, answer_weight: float, pairs=None, key_words: int = 1,
+                  link: str = "", template: str = "list"):
+    """Associative recall with one-token keys (MQAR, Arora et al. 2023): "recall : k1 v1 , k2 v2 ,
+    ... . answer : k3 v3 ; k1 v1 ; ..." with word keys and 3-digit values. A value in the query
+    part is predictable only by finding its key earlier: the key -> value lookup that multi-key
+    and two-hop need, without their two-word keys and sentence template.
+
+    `pairs` (lo, hi) draws the number of key-value pairs from [lo, hi] (default L/12 .. L/5).
+    Few pairs (2-4) is what lets the lookup form: copying any earlier value is then already
+    right a third of the time, and matching the key is a large, frequent gain.
+    `key_words` 2 makes each key "adjective noun" (as multi-key's keys are); `link` puts a word
+    between key and value (multi-key's "... is VALUE"), so the value no longer follows its key.
+
+    `template` moves the recall list towards the multi-key task's sentences:
+    "list" (above); "sentence": every fact and query is "[P] KEY is VALUE ." where P is the last
+    0-5 words of the task's "the special magic number for" (one draw per sequence; a causal
+    model trained on the list recall passes 0.5 after ~250 steps on it and 0.97 by 600, while on
+    the full phrase alone it stays at chance for 500, and then handles the full phrase at once); "question": facts are the
+    task's sentences, queries its question and answer, "what is the special magic number for KEY
+    ? the special magic number for KEY is VALUE ." (the key also occurs just before its answer,
+    followed by "?"). `pairs` defaults to L/12 .. L/5 for the list, L/48 .. L/24 for sentences."""
+    from maskahead_jax.tasks import lexicon as LX
+
+    if template not in MQAR_TEMPLATES:
+        raise ValueError(f"unknown recall template {template!r}; expected one of {MQAR_TEMPLATES}")
+    lo, hi = pairs or ((L // 12, L // 5) if template == "list" else (L // 48, L // 24))
+    n = max(2, min(len(LX.NOUNS), r.randint(lo, max(lo, hi))))
+    keys = r.sample(LX.NOUNS, n) if key_words == 1 else T.multikey_keys(r, n)
+    vals = [str(r.randrange(100, 1000)) for _ in keys]
+    if template == "list":
+        sep_link = f" {link}" if link else ""
+        fact = lambda k, v: f"{k}{sep_link} {v} ,"  # noqa: E731
+        query = lambda k: (k + sep_link, ";")  # noqa: E731
+        head, middle = "recall :", ". answer :"
+    elif template == "sentence":
+        phrase = T.MULTIKEY_PHRASE.split()
+        lead = " ".join(phrase[r.randint(0, len(phrase)):])
+        lead = lead + " " if lead else ""
+        fact = lambda k, v: f"{lead}{k} is {v} ."  # noqa: E731
+        query = lambda k: (f"{lead}{k} is", ".")  # noqa: E731
+        head, middle = "", ""
+    else:  # the task's own fact sentences and questions
+        fact, query = T.multikey_fact, lambda k: (T.multikey_question(k), ".")  # noqa: E731
+        head, middle = "", ""
+    ids = [T.BOS_ID] + (_ids(tok, head) if head else [])
+    for k, v in zip(keys, vals):
+        ids += _ids(tok, fact(k, v))
+    ids += _ids(tok, middle) if middle else []
+    w = [1.0] * len(ids)
+    while len(ids) < L:
+        i = r.randrange(n)
+        before, after = query(keys[i])
+        ki, vi, sep = _ids(tok, before), _ids(tok, vals[i]), _ids(tok, after)
+        ids += ki + vi + sep
+        w += [1.0] * len(ki) + [answer_weight] * len(vi) + [1.0] * len(sep)
+    return np.asarray(ids[:L], np.int32), np.asarray(w[:L], np.float32)
+
+
+
+TASK_WEIGHTS = (0.22, 0.3, 0.18, 0.15, 0.15)  # passkey, multikey, twohop, docqa, longanswer
+PROMPT_FRAC = (0.45, 0.85)  # an unpacked context's share of the sequence (--prompt-frac)
+PACKED_TASKS = ("multikey", "twohop", "longanswer", "docqa")  # the tasks a packed context can hold
+PACKED_WEIGHTS = (0.45, 0.2, 0.2, 0.15)  # their weights, in PACKED_TASKS' order
+
+
+def train_sequence(r: random.Random, L: int, tok, answer_weight: float, dense: float = 0.0,
+                   copy: float = 0.0, task_weights=TASK_WEIGHTS, packed_weights=PACKED_WEIGHTS,
+                   mqar: float = 0.0, mqar_pairs=None, mqar_templates=("list",),
+                   prompt_frac=PROMPT_FRAC, edge_depths: float = 0.0, hard_keys: float = 0.0):
+    """One clean training sequence of exactly L tokens and its per-token loss weights.
+
+    An unpacked needle context takes a fraction U(prompt_frac) of L (the rest: extra questions);
+    an evaluation at length n reads an n-token prompt, so a stage of length L trains prompts
+    up to prompt_frac[1] * L only. The needle's depth is U(0, 1), or with probability
+    `edge_depths` one of the two ends (0: right after [BOS]; 1: right before the question).
+    With probability `hard_keys` a multi-key context holds 1-4 distractor keys that share one
+    word with the asked key (make_multikey's n_sharing).
+
+    With probability `dense` the context is packed with facts (many keys, little filler) and
+    followed by many questions: MQAR-style data where recall is the main source of
+    predictability (the early curriculum; retrieval then carries over to sparse needles)."""
+    if r.random() < copy:
+        return copy_sequence(r, L, tok, answer_weight)
+    if mqar and r.random() < mqar:
+        template = r.choice(mqar_templates)  # the list keeps one-word keys; sentences use the task's two
+        return mqar_sequence(r, L, tok, answer_weight, mqar_pairs, 1 if template == "list" else 2,
+                             "", template)
+    task = r.choices(T.TASKS, weights=task_weights)[0]
+    packed = r.random() < dense
+    if packed:
+        task = r.choices(PACKED_TASKS, weights=packed_weights)[0]
+    frac = r.uniform(0.3, 0.5) if packed else r.uniform(*prompt_frac)
+    depth = r.random()
+    if edge_depths and r.random() < edge_depths:  # (no extra draw at 0: old recipes reproduce)
+        depth = float(depth < 0.5)
+    seed = r.randrange(10 ** 7, 2 ** 31)
+    if task == "longanswer":
+        nf = max(3, min(44, int(L * (0.35 if packed else 0.5)) // 6))
+        ctx = max(16, 10 * nf if packed else L - 8 * nf - 18)
+        ex = T.make_longanswer(ctx, depth, seed, tok, n_facts=nf)
+        queries = []
+    else:
+        kw = {}
+        n = max(24, int(L * frac))
+        if task == "passkey":
+            kw["n_digits"] = 3
+        elif task == "multikey":
+            kw["n_keys"] = max(2, n // 15) if packed else r.randint(2, max(2, min(64, n // 24)))
+            if hard_keys and r.random() < hard_keys:  # (no extra draw at 0: old recipes reproduce)
+                kw["n_sharing"] = r.randint(1, min(4, kw["n_keys"] - 1))
+        elif task == "twohop":
+            kw["n_decoys"] = max(1, n // 22 - 1) if packed else r.randint(0, max(0, min(8, n // 40 - 1)))
+        elif task == "docqa":
+            kw["n_docs"] = max(1, n // 45) if packed else r.randint(1, max(1, min(24, n // 60)))
+        ex = T.generate(task, n, depth, seed, tok, **kw)
+        queries = list(ex.meta.get("queries", []))
+    ids = [T.BOS_ID] + _ids(tok, ex.prompt)
+    w = [1.0] * len(ids)
+    a = _ids(tok, ex.target)
+    ids += a
+    w += [answer_weight] * len(a)
+    # extra questions (MQAR-style): recall other facts of the same context
+    while queries and len(ids) < L:
+        q, ans = r.choice(queries)
+        qi, ai = _ids(tok, ". " + q), _ids(tok, ans)
+        if len(ids) + len(qi) + len(ai) >= L and r.random() < 0.7:
+            break  # end on a complete answer followed by [EOS]
+        ids += qi + ai
+        w += [1.0] * len(qi) + [answer_weight] * len(ai)
+    ids = ids[:L]
+    w = w[:L]
+    # EOS after the last complete item, then EOS padding (weight 0.2: cheap to learn)
+    if len(ids) < L:
+        n = L - len(ids)
+        ids += [T.EOS_ID] * n
+        w += [1.0] + [0.2] * (n - 1)
+    return np.asarray(ids, np.int32), np.asarray(w, np.float32)
+
+
+def _weights(text, default, flag: str = "--task-weights"):
+    """"w1,w2,..." -> a tuple as long as `default`, exiting with a message that names `flag`."""
+    if not text:
+        return default
+    try:
+        w = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        w = ()
+    if len(w) != len(default) or min(w) < 0 or sum(w) <= 0:
+        raise SystemExit(f"bad {flag} {text!r}: need {len(default)} non-negative numbers, not all 0")
+    return w
+
+
+def _parse_range(text, flag: str, cast, valid, need: str, example: str):
+    """"LO:HI" -> (cast(LO), cast(HI)), exiting with a message that names `flag` when malformed
+    or when `valid(lo, hi)` fails."""
+    try:
+        lo, hi = (cast(x) for x in text.split(":"))
+    except ValueError:
+        raise SystemExit(f"bad {flag} {text!r}: expected LO:HI, e.g. {example}") from None
+    if not valid(lo, hi):
+        raise SystemExit(f"bad {flag} {text!r}: need {need}")
+    return lo, hi
+
+
+def parse_prompt_frac(text):
+    """"LO:HI" (0 < LO <= HI < 1) -> (LO, HI); None -> PROMPT_FRAC."""
+    if not text:
+        return PROMPT_FRAC
+    return _parse_range(text, "--prompt-frac", float, lambda lo, hi: 0 < lo <= hi < 1,
+                        "0 < LO <= HI < 1", "0.5:0.92")
+
+
+def parse_probability(value, flag: str) -> float:
+    """A probability flag's value (0 <= P <= 1); None -> 0; anything else exits naming `flag`."""
+    try:
+        p = float(value or 0.0)
+    except (TypeError, ValueError):
+        p = -1.0
+    if not 0.0 <= p <= 1.0:
+        raise SystemExit(f"bad {flag} {value!r}: need a probability in [0, 1]")
+    return p
+
+
+def parse_pairs(text):
+    """"LO:HI" -> (LO, HI), or None for the length-dependent default."""
+    if not text:
+        return None
+    return _parse_range(text, "--mqar-pairs", int, lambda lo, hi: 2 <= lo <= hi, "2 <= LO <= HI", "2:4")
+
+
+def parse_templates(text):
+    """"list,sentence" -> ("list", "sentence"): the recall templates a sequence draws from."""
+    if not text:
+        return ("list",)
+    out = tuple(t.strip() for t in text.split(","))
+    bad = [t for t in out if t not in MQAR_TEMPLATES]
+    if bad:
+        raise SystemExit(f"bad --mqar-templates {text!r}: unknown {bad}; choose from {MQAR_TEMPLATES}")
+    return out
+
+
+def data_options(args) -> dict:
+    """The parsed data flags train_sequence takes (absent ones at their defaults); a malformed
+    value exits with a message naming its flag."""
+    g = lambda name: getattr(args, name, None)  # noqa: E731
+    return dict(task_weights=_weights(g("task_weights"), TASK_WEIGHTS),
+                packed_weights=_weights(g("packed_weights"), PACKED_WEIGHTS, "--packed-weights"),
+                mqar=g("mqar_prob") or 0.0, mqar_pairs=parse_pairs(g("mqar_pairs")),
+                mqar_templates=parse_templates(g("mqar_templates")),
+                prompt_frac=parse_prompt_frac(g("prompt_frac")), edge_depths=parse_probability(g("edge_depths"), "--edge-depths"),
+                hard_keys=parse_probability(g("hard_keys"), "--hard-keys"))
+
+
+def longest_run(flags: np.ndarray) -> np.ndarray:
+    """The length of the longest run of True in each row of `flags` [B, L] -> [B]."""
+    best = np.zeros(flags.shape[0], np.int64)
+    cur = np.zeros_like(best)
+    for col in flags.T:
+        cur = np.where(col, cur + 1, 0)
+        best = np.maximum(best, cur)
+    return best
+
+
+def make_batch(step: int, seed: int, B: int, L: int, tok, args, dense: float = 0.0):
+    """The batch of `step`: (x_t, x0, masked, w), each [B, L] (x_t int32 with [MASK] at `masked`,
+    x0 int32 clean, w float32 loss weights). Every 32-token block is noised with its own mask
+    ratio t ~ U(0, --mask-ratio-max) (mask prob (1-1e-3) t + 1e-3), or, for a --suffix-prob share
+    of rows, everything after a random cut per block; an --answer-mask-prob share of rows masks
+    exactly its answer tokens. `args` carries the data flags (data_options)."""
+    r = random.Random(seed * 1_000_003 + step)
+    opts = data_options(args)
+    xs, ws = zip(*[train_sequence(r, L, tok, args.answer_weight, dense, args.copy_prob, **opts)
+                   for _ in range(B)])
+    x0 = np.stack(xs)
+    w = np.stack(ws)
+    nb = L // BLOCK
+    # noise
+    rn = np.random.default_rng(seed * 7919 + step)
+    t = rn.uniform(size=(B, nb, 1)) * getattr(args, "mask_ratio_max", 1.0)
+    p = (1 - 1e-3) * t + 1e-3
+    masked = rn.uniform(size=(B, nb, BLOCK)) < p
+    suffix = rn.uniform(size=(B, 1, 1)) < args.suffix_prob
+    cut = rn.integers(0, BLOCK, size=(B, nb, 1))
+    masked_suffix = np.arange(BLOCK)[None, None, :] >= cut
+    masked = np.where(suffix, masked_suffix, masked).reshape(B, L)
+    # answer-only rows: every answer token masked, everything else clean (the layout of inference,
+    # where the question is read and the answer is the mask; the densest retrieval signal)
+    answers_only = rn.uniform(size=(B, 1)) < getattr(args, "answer_mask_prob", 0.0)
+    max_len = getattr(args, "answer_mask_max_len", 0)
+    if max_len:  # a row whose answer is longer keeps the usual noise (it is denoised block by block)
+        answers_only &= (longest_run(w == args.answer_weight) <= max_len)[:, None]
+    masked = np.where(answers_only, w == args.answer_weight, masked)
+    xt = np.where(masked, T.MASK_ID, x0)
+    return xt.astype(np.int32), x0, masked, w
