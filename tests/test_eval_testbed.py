@@ -3,12 +3,10 @@ diagnostics (two-hop's first hop, document QA's first word), scored by the task'
 --results appends cells and resumes."""
 import json
 import os
-import sys
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 
 def test_eval_testbed_json(capsys):
@@ -80,3 +78,17 @@ def test_eval_testbed_results_append_and_resume(tmp_path, capsys):
         cell: dict(base_mean=0.5, mean=0.0, wins=0, losses=2, p=0.5)}
     with pytest.raises(SystemExit, match="two or more"):
         main(["--compare", str(res)])
+
+
+def test_reference_engine_is_the_library_reference_decoder(capsys):
+    """--engine reference decodes with the library's uncached reference decoder
+    (engine.reference.reference_generate) and scores what the cached engine scores."""
+    from experiments import eval_testbed
+
+    cells = {}
+    for engine in ("reference", "cached"):
+        eval_testbed.main(["--tasks", "passkey,twohop", "--lengths", "160", "--depths", "0.5", "--n", "2",
+                           "--engine", engine])
+        cells[engine] = json.loads(capsys.readouterr().out)["cells"]
+    assert cells["reference"] == cells["cached"]
+    assert "greedy_answers" not in vars(eval_testbed)  # no decoder of its own
