@@ -1,8 +1,9 @@
 """The bidirectional core (LLaDA, Dream): semi-autoregressive decoding of a fixed-length
 response. A full forward of [prompt | response] builds the prompt's K/V (the cache) at the
 first step and every `prompt_refresh` steps; the steps between recompute only the response
-against that cache. The policy's `on_prompt` may compress the prompt once (MaskKV), voted by
-the response's mask queries; a compressed prompt is never refreshed.
+against that cache. The policy's `on_prompt` may compress the prompt once, voted by the
+response's mask queries (MaskKV) or the prompt's last tokens (SnapKV's window: SnapKV,
+PyramidKV, AdaKV); a compressed prompt is never refreshed.
 """
 from __future__ import annotations
 
@@ -67,15 +68,23 @@ def bidirectional_core(params, prompt, plen, key, *, cfg, gen, policy, cache_dty
         return dict(prev=last, kv_bytes=policy.held_bytes(cache))
     peak_bytes = policy.held_bytes(cache)
 
-    def vote():
-        """Mask voting (maskkv.md Eq. 6): the response's mask queries in one softmax over
-        [prompt | response] keys (the response's own K/V passed as context, the block masked
-        out); mass [L, B, Hkv, Pb + G]."""
+    def vote(window=None):
+        """Voting at the first step, in one softmax over [prompt | response] keys (the response's
+        own K/V passed as context, the queries' own block masked out), as the full pass attends;
+        mass [L, B, Hkv, Pb + G] pooled over the voters: window None, the response's mask
+        queries (MaskKV, maskkv.md Eq. 6); window w, the prompt's last w tokens at their
+        positions (SnapKV's observation window; rows of shorter prompts vote with fewer)."""
         o = model_step(params, cfg, resp0, rpos, full_mask(b, g), dense_segments(cache, L))
         ctx = Context(*(jnp.concatenate([a, n.astype(a.dtype)], 3) for a, n in
                         ((cache.k, o.k), (cache.v, o.v), (cache.valid, jnp.ones(o.k.shape[:4], bool)))))
-        return model_step(params, cfg, resp0, rpos, jnp.zeros((b, g, g), bool), [Segment(0, L, ctx)],
-                          jnp.ones((b, g), bool)).mass
+        toks, pos, rows = resp0, rpos, jnp.ones((b, g), bool)
+        if window is not None:
+            wpos = plen[:, None] - window + jnp.arange(window, dtype=jnp.int32)[None]
+            rows, pos = wpos >= 0, jnp.maximum(wpos, 0)
+            toks = jnp.take_along_axis(prompt, pos, axis=1)
+        t = toks.shape[1]
+        return model_step(params, cfg, toks, pos, jnp.zeros((b, t, t), bool), [Segment(0, L, ctx)],
+                          rows).mass
 
     compressed = policy.on_prompt(cache, vote, plen)
     nfe = jnp.int32(1)

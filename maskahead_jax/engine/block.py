@@ -51,7 +51,7 @@ def run_block(params, cfg, gen, policy, st: BlockState, x_init, ctx) -> BlockSta
     x = commit(x, logits_of(out0.hidden), jnp.int32(0), m0, active, gen, mask_id, k0)
     ctx = ctx._replace(active=active, due=st.due, tokens=x0, start=start, generated=st.out)
     res = policy.on_block(cache, ctx._replace(mass=out0.mass, score=out0.score, rows=rows,
-                                              queries=out0.queries,
+                                              queries=out0.queries, block_kv=(out0.k, out0.v),
                                               rope=rope_last(cfg, start + bs - 1)))
     cache = res.cache
     segs = _segments(cache, res.selection, L)

@@ -32,6 +32,7 @@ register("ea", ExpectedAttention)
 register("dapq", DapQ)
 register("herald", HERALD)
 register("maskkv", MaskKV, budget_field="budget_pct", entries_field="budget_per_head")
+register("maskkv-blockcausal", MaskKV, budget_field="budget_pct", entries_field="budget_per_head", block_causal=True)
 register("pyramidkv", PyramidKV, budget_field="budget_pct", entries_field="budget_per_head")
 register("adakv", AdaKV, budget_field="budget_pct", entries_field="budget_per_head")
 

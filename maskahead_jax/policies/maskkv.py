@@ -61,7 +61,7 @@ import numpy as np
 
 from .. import memory
 from ..cache import KVCache
-from .protocol import Policy, PolicyError
+from .protocol import BlockResult, Policy, PolicyError, StepContext
 
 LAYER_ALLOCS = ("boundary", "pyramid", "uniform")
 HEAD_ALLOCS = ("preference", "adakv", "uniform")
@@ -190,10 +190,43 @@ def adakv_head_budgets(layer_budget, scores, valid, floor_alpha: float = 0.2, ma
     return xp.maximum(k, 0)
 
 
+# ----------------------------------------------------------------------------- voting
+def window_mask(valid, plen, window):
+    """[L, B, Hkv, N] the observation window: each lane's last min(window, ...) prompt slots, i.e.
+    positions >= plen - window of a dense prompt lane (slot = position). window: int or [B]."""
+    n = valid.shape[-1]
+    w = jnp.asarray(window)
+    w = w[None, :, None, None] if w.ndim else w
+    slot = jnp.arange(n)[None, None, None, :]
+    return valid & (slot >= jnp.asarray(plen)[None, :, None, None] - w)
+
+
+def window_scores(mass, valid, forced, pool: int):
+    """SnapKV's scores (AdaKV snapkv_utils.calcul_attn_sore): the window's mean attention over
+    the prompt outside the window, max-pooled over `pool` neighbours (window and invalid slots
+    take no part in the pooling). mass/valid/forced [L, B, Hkv, N] -> float32 [L, B, Hkv, N]."""
+    from .scorers import max_pool_1d  # scorers imports nothing of this module
+
+    a = jnp.where(valid & ~forced, mass.astype(jnp.float32), -jnp.inf)
+    return jnp.where(valid & ~forced, max_pool_1d(a, pool), -jnp.inf)
+
+
 # ----------------------------------------------------------------------------- the policy
+VOTERS = ("mask", "window")
+
+
 @dataclasses.dataclass(frozen=True)
 class MaskKV(Policy):
-    """MaskKV with the paper's defaults (beta 0.4, alpha 0.1, B = 256 KV pairs per head)."""
+    """MaskKV with the paper's defaults (beta 0.4, alpha 0.1, B = 256 KV pairs per head).
+
+    voters: "mask" (MaskKV: the response's / first block's mask queries vote, no pooling) or
+    "window" (the MaskKV paper's baselines: SnapKV's observation window, the prompt's last
+    `window` tokens, scores max-pooled over `pool`, the window kept inside the budget).
+    block_causal: also run on block-causal models (registered as maskkv-blockcausal): at step 0
+    of the first block the block's mask queries vote over the stored prompt prefix once (one
+    probe forward over [prompt | the block's own K/V], the step-0 attention), the prefix is cut
+    to the same layer and head budgets, and decoding appends every block, never evicting again.
+    """
 
     name = "maskkv"
     budget_per_head: Optional[int] = 256
@@ -206,13 +239,18 @@ class MaskKV(Policy):
     pyramid_beta: float = 20.0
     adakv_floor: float = 0.2
     exact_total: bool = True
+    voters: str = "mask"  # mask (MaskKV) | window (SnapKV's observation window)
+    window: int = 32  # voters="window": observation window (AdaKV's window_size)
+    pool: int = 7  # voters="window": max-pool kernel (AdaKV's kernel_size, pooling maxpool)
+    block_causal: bool = False  # accept block-causal models (vote at the first block)
 
     takes_budget = True
 
     def validate(self, cfg, gen) -> None:
-        if cfg.attention != "bidirectional":
+        if cfg.attention != "bidirectional" and not self.block_causal:
             raise PolicyError(f"{self.name} compresses the prompt of bidirectional families "
-                              f"(LLaDA, Dream); {cfg.family!r} is {cfg.attention}")
+                              f"(LLaDA, Dream); {cfg.family!r} is {cfg.attention} (maskkv-blockcausal, "
+                              f"i.e. block_causal=True, votes with the first block's mask queries)")
         self.check(cfg.num_layers)
 
     def check(self, num_layers: int) -> None:
@@ -228,6 +266,11 @@ class MaskKV(Policy):
             raise PolicyError(f"layer_alloc must be one of {LAYER_ALLOCS}, got {self.layer_alloc!r}")
         if self.head_alloc not in HEAD_ALLOCS:
             raise PolicyError(f"head_alloc must be one of {HEAD_ALLOCS}, got {self.head_alloc!r}")
+        if self.voters not in VOTERS:
+            raise PolicyError(f"voters must be one of {VOTERS}, got {self.voters!r}")
+        if self.window <= 0 or self.pool <= 0 or self.pool % 2 == 0:
+            raise PolicyError(f"window must be positive and pool a positive odd kernel, got "
+                              f"window={self.window}, pool={self.pool}")
         if self.layer_importance:
             imp = np.asarray(self.layer_importance, np.float64)
             if imp.shape != (num_layers,) or not np.all(np.isfinite(imp)) or np.any(imp < 0):
@@ -246,6 +289,12 @@ class MaskKV(Policy):
             return max(1, int(self.budget_pct * plen // 100))
         return jnp.maximum(jnp.floor(self.budget_pct * plen.astype(jnp.float32) / 100.0 + 1e-6), 1
                            ).astype(jnp.int32)
+
+    def window_size(self, b_head):
+        """Window entries per lane kept inside the budget B: min(window, B) (0 for mask voting)."""
+        if self.voters != "window":
+            return 0 * b_head
+        return jnp.minimum(b_head, self.window) if isinstance(b_head, jax.Array) else min(b_head, self.window)
 
     def importance(self, num_layers: int):
         return self.layer_importance if self.layer_importance else (1.0,) * num_layers
@@ -272,24 +321,24 @@ class MaskKV(Policy):
             head = kv_heads * kl
         else:
             head = math.ceil(self.alpha * kl + (1 - self.alpha) * kv_heads * kl) + 1
-        return max(1, min(prompt_cap, head))
+        return max(1, min(prompt_cap, head + self.window_size(b)))
 
-    def budgets(self, mass, valid, plen):
-        """Head budgets [L, B, Hkv] for the prompt slots `valid` [L, B, Hkv, N] and the mask-voting
-        mass [L, B, Hkv, S>=N] (joint softmax over [prompt | response])."""
+    def budgets(self, mass, valid, plen, preference=None):
+        """Head budgets [L, B, Hkv] for the prompt slots `valid` [L, B, Hkv, N] and the vote
+        `mass` [L, B, Hkv, S>=N] (mask voting: joint softmax over [prompt | response]; the scores
+        AdaKV's allocation ranks). preference [L, B, Hkv]: the heads' prompt preference P_h
+        (Eq. 14); default: the mass on the valid prompt slots."""
         L, _, hkv, n = valid.shape
         scores = jnp.where(valid, mass[..., :n].astype(jnp.float32), 0.0)
         kl = self.layer_budgets(self.per_head_budget(plen), L)  # [L, B]
         if self.head_alloc == "preference":
-            k = head_budgets(kl, scores.sum(-1), self.alpha, exact_total=self.exact_total)
+            pref = scores.sum(-1) if preference is None else preference
+            k = head_budgets(kl, pref, self.alpha, exact_total=self.exact_total)
         elif self.head_alloc == "adakv":
             k = adakv_head_budgets(kl, scores, valid, self.adakv_floor)
         else:
             k = jnp.broadcast_to(kl[..., None], kl.shape + (hkv,))
         return jnp.clip(k, 0, plen[None, :, None]).astype(jnp.int32)
-
-    def on_prompt(self, cache: KVCache, vote, plen) -> KVCache:
-        return self.compress_prompt(cache, vote(), plen)
 
     def budget_note(self, prompt_lens) -> Optional[str]:
         n = min(prompt_lens) if prompt_lens else 0
@@ -302,26 +351,105 @@ class MaskKV(Policy):
         """Only kept entries count: ragged lanes are stored flattened (variable length)."""
         return memory.row_bytes(cache.valid, cache.bytes_per_token, False, kept_only=True)
 
+    # ------------------------------------------------------------------ compression
+    def compress(self, cache: KVCache, mass, plen, capacity: int, preference=None) -> KVCache:
+        """Cut the prompt lanes (dense, slot = position, plen [B] entries) to their budgets, from
+        the vote `mass` [L, B, Hkv, >=N]: mask voting keeps the top-k_{l,h} by mass; window
+        voting keeps the window plus the top-k_{l,h} of the rest by pooled mass, the budgets
+        allocated over B - window. Returns the kept entries compacted into `capacity` slots."""
+        n = cache.capacity
+        mass = mass[..., :n].astype(jnp.float32)
+        if self.voters == "mask":
+            counts = self.budgets(mass, cache.valid, plen, preference)
+            return cache.keep_top(jnp.where(cache.valid, mass, -jnp.inf), jnp.minimum(counts, capacity), capacity)
+        b = self.per_head_budget(plen)
+        w = self.window_size(b)  # [B]
+        forced = window_mask(cache.valid, plen, w)
+        scores = window_scores(mass, cache.valid, forced, self.pool)
+        # the prefix outside the window gets B - w per head on average (AdaKV: base_capacity - window)
+        kl = self.layer_budgets(jnp.maximum(b - w, 0), cache.valid.shape[0])  # [L, B]
+        valid_rest = cache.valid & ~forced
+        finite = jnp.where(valid_rest, scores, 0.0)
+        if self.head_alloc == "preference":
+            k = head_budgets(kl, jnp.where(valid_rest, mass, 0.0).sum(-1) if preference is None else preference,
+                             self.alpha, exact_total=self.exact_total)
+        elif self.head_alloc == "adakv":
+            k = adakv_head_budgets(kl, finite, valid_rest, self.adakv_floor)
+        else:
+            k = jnp.broadcast_to(kl[..., None], kl.shape + (cache.valid.shape[2],))
+        n_rest = jnp.maximum(plen - w, 0)
+        counts = jnp.clip(k, 0, n_rest[None, :, None]) + forced.sum(-1)
+        return cache.keep_top(jnp.where(forced, jnp.inf, scores), jnp.minimum(counts, capacity).astype(jnp.int32),
+                              capacity)
+
     def compress_prompt(self, cache: KVCache, mass, plen) -> KVCache:
         L, _, hkv, n = cache.valid.shape
-        counts = self.budgets(mass, cache.valid, plen)
-        cap = self.buffer_size(n, L, hkv)
-        return cache.keep_top(mass[..., :n], jnp.minimum(counts, cap), cap)
+        return self.compress(cache, mass, plen, self.buffer_size(n, L, hkv))
+
+    # ------------------------------------------------------------------ hooks
+    def on_prompt(self, cache: KVCache, vote, plen) -> KVCache:
+        """Bidirectional families: one vote at the first step, the prompt cut once."""
+        return self.compress_prompt(cache, vote() if self.voters == "mask" else vote(self.window), plen)
+
+    def on_block(self, cache, ctx: StepContext) -> BlockResult:
+        """Block-causal families: at step 0 of the first block, vote over the stored prompt
+        prefix (cache.length = n_pre entries per row) and cut it once; later blocks only append."""
+        if not ctx.first:
+            return BlockResult(cache.resize(ctx.capacity), None, jnp.bool_(False), jnp.int32(0))
+        n_pre = cache.length
+        if self.voters == "window":
+            from .probes import PromptWindow
+
+            mass, pref = PromptWindow(self.window).mass(cache, ctx), None
+        else:
+            mass, pref = self.block_vote(cache, ctx)
+        out = self.compress(cache, mass, n_pre, ctx.capacity, pref)
+        return BlockResult(out, None, jnp.bool_(True), jnp.int32(1))
+
+    def block_vote(self, cache, ctx: StepContext):
+        """Mask voting on a block-causal model (Eq. 6 with the first block's mask queries): one
+        probe forward of the step-0 block over [stored prompt | the block's own step-0 K/V]
+        (ctx.block_kv), its own block masked out, so every query attends exactly as at step 0,
+        with one softmax over prompt and block keys. Returns (mass over the cache slots
+        [L, B, Hkv, N], prompt preference P_h [L, B, Hkv]: the mass on the stored prompt plus on
+        the prompt tail that opens the block, Eq. 14)."""
+        if ctx.block_kv is None:
+            raise PolicyError(f"{self.name}: the engine gave no block K/V (StepContext.block_kv)")
+        k, v = ctx.block_kv
+        b, bs = ctx.tokens.shape
+        pos = ctx.start[:, None] + jnp.arange(bs, dtype=jnp.int32)[None]
+        n = cache.capacity
+        aug = cache.resize(n + bs).append(k, v, pos, jnp.full((b,), bs, jnp.int32))
+        rows = (ctx.tokens == ctx.mask_id) & ctx.active[:, None]
+        m = ctx.forward(aug, ctx.tokens, pos, jnp.zeros((b, bs, bs), bool), rows)  # [L, B, Hkv, n + bs]
+        prompt = jnp.where(aug.valid & (aug.pos < ctx.plen[None, :, None, None]), m, 0.0)
+        return m[..., :n] * cache.valid, prompt.sum(-1)
+
+    def plan(self, prompt_cap: int, total_cap: int, block_size: int, chunk: int = 512):
+        # the protocol's plan knows no head count, so the decode buffer stays total_cap (the
+        # memory stats count kept entries only, as for the bidirectional families)
+        return total_cap, total_cap
 
 
 @dataclasses.dataclass(frozen=True)
 class PyramidKV(MaskKV):
+    """PyramidKV as the MaskKV paper's baseline: SnapKV's window votes, pyramid layer budgets."""
+
     name = "pyramidkv"
     layer_alloc: str = "pyramid"
     head_alloc: str = "uniform"
+    voters: str = "window"
 
 
 @dataclasses.dataclass(frozen=True)
 class AdaKV(MaskKV):
+    """AdaKV as the MaskKV paper's baseline: SnapKV's window votes, adaptive head budgets."""
+
     name = "adakv"
     layer_alloc: str = "uniform"
     head_alloc: str = "adakv"
+    voters: str = "window"
 
 
 __all__ = ["MaskKV", "PyramidKV", "AdaKV", "layer_budgets", "head_budgets", "pyramid_budgets",
-           "adakv_head_budgets", "boundary_layers"]
+           "adakv_head_budgets", "boundary_layers", "window_mask", "window_scores"]

@@ -22,7 +22,9 @@ A policy is a frozen, hashable dataclass (a static jit argument). The engine
                                          that evict at the end of a block)
   due_after_block(blocks_done, cache)    [B] a compression is due at the next block's step 0
   on_prompt(cache, vote, plen)           bidirectional families: compress the prompt once
-                                         (MaskKV), or None to keep it
+                                         (MaskKV, SnapKV, PyramidKV, AdaKV), or None to keep it;
+                                         vote() = the response's mask queries' mass, vote(w) =
+                                         the prompt's last w queries' (SnapKV's window)
   held_bytes(cache)                      [B] bytes this policy holds (memory stats)
   budget_note(prompt_lens)               a warning when a floor, not the requested budget,
                                          sets what is kept for these prompts (or None)
@@ -77,6 +79,7 @@ class StepContext(NamedTuple):
     appended: Optional[jax.Array] = None  # [B] entries the chunk / commit just appended
     blocks_done: Optional[jax.Array] = None  # int32 blocks committed so far (after_commit)
     generated: Optional[jax.Array] = None  # [B, G] committed blocks, the first at position n_pre
+    block_kv: Optional[tuple] = None  # (k, v) [L, B, Hkv, bs, D] the block's own K/V at step 0 (post-RoPE)
 
 
 class BlockResult(NamedTuple):
@@ -131,7 +134,7 @@ class Policy:
     def due_after_block(self, blocks_done, cache) -> jax.Array:
         return jnp.zeros(cache.length.shape, bool)
 
-    def on_prompt(self, cache: KVCache, vote: Callable[[], jax.Array], plen) -> Optional[KVCache]:
+    def on_prompt(self, cache: KVCache, vote: Callable[..., jax.Array], plen) -> Optional[KVCache]:
         return None
 
     def held_bytes(self, cache) -> jax.Array:
