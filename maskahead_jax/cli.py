@@ -363,10 +363,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("eval", help="policies x budgets sweep")
     _add_model(e)
-    e.add_argument("--policies", default="dense,maskahead", help=f"comma-separated, from: {known}")
-    e.add_argument("--capacity", default="10", help="comma-separated %% budgets, e.g. 5,10,20")
+    e.add_argument("--policies", default=None, help=f"comma-separated, from: {known} (default dense,maskahead)")
+    e.add_argument("--capacity", default=None, help="comma-separated %% budgets, e.g. 5,10,20 (default 10)")
     e.add_argument("--out", required=True, help="output folder (results.jsonl, summary.md/json, *.png)")
-    e.add_argument("--batch-size", type=_pos_int, default=8)
+    e.add_argument("--batch-size", type=_pos_int, default=None, help="default 8 (a --sweep: its own)")
+    e.add_argument("--sweep", default=None,
+                   help="a whole named sweep instead of --suite/--policies/--capacity/--preset: "
+                        "testbed-policies = docs/results.md §2 (the five testbed tasks at 2048 tokens x 2 "
+                        "seeds x 5 depths, passkey at 4096 x 1 x 5; dense, maskahead, maskahead-bounded, "
+                        "streaming, h2o, caote, snapkv, ea, dapq, mage, herald, pyramidkv, adakv (block_causal=true: the testbed is block-causal), "
+                        "q-maskahead[bits=4], q-maskahead[bits=2] at 10%%, then 5%%, then 20%%; --preset "
+                        "testbed and its floors; batch 4). Resumes like any eval: rerun the same command")
     e.add_argument("--bucket", default="auto",
                    help="prompt-length bucket quantum in tokens, or auto (<= 12.5%% padding)")
     e.add_argument("--max-new-tokens", type=_pos_int, default=None, help="override the per-dataset lengths")
@@ -484,8 +491,13 @@ def cmd_eval(args) -> int:
     # everything that can be refused is checked before the model's weights are loaded
     check_out_dir(args.out)
     _init_mesh(args)  # before anything touches a JAX backend (multi-process runs)
+    if args.sweep:
+        return _cmd_eval_sweep(args)
     if not (args.suite or args.needle or args.longbench or args.math):
         raise CLIError("no examples: pass --suite, --needle, --longbench PATHS and/or --math FILE")
+    args.policies = args.policies or "dense,maskahead"
+    args.capacity = args.capacity or "10"
+    args.batch_size = args.batch_size or 8
     lengths = _pos_ints(args.lengths, "--lengths") if args.suite or args.needle else []
     depths = _depths(args.depths) if args.suite or args.needle else []
     bucket = args.bucket if args.bucket == "auto" else _pos_ints(args.bucket, "--bucket")[0]
@@ -544,6 +556,57 @@ def cmd_eval(args) -> int:
         print(f"\nmaskahead eval: interrupted; {_rows_saved(args.out)} rows saved in {results}, rerun the "
               f"same command to resume", file=sys.stderr)
         return EXIT_INTERRUPTED
+    return _report_eval(res)
+
+
+def _cmd_eval_sweep(args) -> int:
+    """`maskahead eval --sweep NAME`: a named sweep preset (evaluation.presets.SWEEPS) sets the
+    examples, policies, budgets, decoding preset and its policy knobs; only the model, --out,
+    --batch-size and the progress / plot switches may be given with it."""
+    from .evaluation import datasets as D
+    from .evaluation.presets import sweep_examples, sweep_factory, sweep_preset
+    from .evaluation.sweep import build_policies, run_sweep
+
+    try:
+        sp = sweep_preset(args.sweep)
+    except ValueError as e:
+        raise CLIError(f"--sweep: {e}") from None
+    clash = [f for f, v in (("--suite", args.suite), ("--needle", args.needle), ("--longbench", args.longbench),
+                            ("--math", args.math), ("--policies", args.policies), ("--capacity", args.capacity),
+                            ("--preset", args.preset), ("--policy-kw", args.policy_kw),
+                            ("--threshold", args.threshold), ("--block-size", args.block_size),
+                            ("--max-new-tokens", args.max_new_tokens)) if v]
+    if clash:
+        raise CLIError(f"--sweep {args.sweep} fixes its examples, policies and settings; drop {', '.join(clash)}")
+    args.preset = sp.preset
+    path = _model_path(args.model)
+    cfg = _model_config(path, args.family)
+    gen = _gen(args)
+    factory = sweep_factory(sp)
+    build_policies(cfg, gen, sp.policies, sp.capacities, factory)  # refuse before loading anything
+    tok = D.load_tokenizer(path)
+    exs = sweep_examples(sp, tok)
+    dataset = dict(sweep=dict(name=args.sweep, cells=[[list(t), ln, n, sfx] for t, ln, n, sfx in sp.cells],
+                              depths=list(sp.depths), seed=sp.seed))
+    model, path = _load(path, args.dtype, args.family)
+    print(f"[eval] sweep {args.sweep}: {len(exs)} examples x {len(sp.policies)} policies x "
+          f"{len(sp.capacities)} capacities -> {args.out}", file=sys.stderr)
+    try:
+        res = run_sweep(model, exs, sp.policies, sp.capacities, args.out, tok, gen=gen,
+                        batch_size=args.batch_size or sp.batch_size, progress=not args.no_progress,
+                        strict=args.strict, plots=not args.no_plots, policy_factory=factory,
+                        bucket="auto" if args.bucket == "auto" else _pos_ints(args.bucket, "--bucket")[0],
+                        meta=dict(model=path, sweep=args.sweep, argv=sys.argv[1:]), mesh=args.mesh,
+                        model_path=os.path.realpath(path), dataset=dataset, score_datasets=sp.score_datasets,
+                        order=sp.order)
+    except KeyboardInterrupt:
+        print(f"\nmaskahead eval: interrupted; {_rows_saved(args.out)} rows saved in "
+              f"{os.path.join(args.out, 'results.jsonl')}, rerun the same command to resume", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return _report_eval(res)
+
+
+def _report_eval(res) -> int:
     with open(res.paths["summary_md"], encoding="utf-8") as f:
         print(f.read())
     print(json.dumps({k: v for k, v in res.paths.items()}, indent=1))

@@ -59,3 +59,92 @@ def preset_config(name: str | None = None, max_new_tokens: int = 64, **overrides
     if bad:
         raise ValueError(f"unknown GenerationConfig fields {sorted(bad)}")
     return GenerationConfig(**kw)
+
+
+# ----------------------------------------------------------------------------- sweep presets
+def parse_variant(label: str) -> tuple[str, dict]:
+    """'q-maskahead[bits=2,compaction=lazy]' -> ('q-maskahead', {'bits': 2, 'compaction': 'lazy'});
+    a plain name -> (name, {}). A variant is a registered policy with knobs fixed by its label,
+    so one sweep can hold the same policy twice (rows are keyed by the label)."""
+    from .policies import parse_policy_kw
+
+    label = str(label).strip()
+    if not label.endswith("]") or "[" not in label:
+        if "[" in label or "]" in label:
+            raise ValueError(f"bad policy variant {label!r}: expected name[knob=value,...]")
+        return label, {}
+    name, _, rest = label.partition("[")
+    return name.strip(), parse_policy_kw(rest[:-1])
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepPreset:
+    """One reproducible policies x budgets sweep: its examples (testbed suite cells), decoding
+    preset (whose policy knobs apply), policy labels (variants allowed), budgets and batch size.
+    cells: ((tasks, length, n per (task, depth), dataset suffix), ...); a suffix names the cell's
+    datasets apart ('passkey@4096') so they get their own column. score_datasets: the datasets
+    the headline score (the suite mean) averages."""
+    note: str
+    preset: str
+    cells: tuple
+    depths: tuple
+    policies: tuple
+    capacities: tuple
+    batch_size: int
+    score_datasets: tuple
+    seed: int = 0
+    order: str = "capacity"  # run every policy at capacities[0] first (sweep._runs)
+
+
+SUITE5 = ("passkey", "multikey", "twohop", "docqa", "longanswer")
+
+SWEEPS: dict[str, SweepPreset] = {
+    "testbed-policies": SweepPreset(
+        note="docs/results.md §2: the five testbed tasks at 2048 tokens (+ passkey at 4096, the only "
+             "cell where dense is above 0.7 at 4096), every released policy at 5/10/20%, testbed floors",
+        preset="testbed",
+        cells=((SUITE5, 2048, 2, ""), (("passkey",), 4096, 1, "@4096")),
+        depths=(0.0, 0.25, 0.5, 0.75, 1.0),
+        policies=("dense", "maskahead", "maskahead-bounded", "streaming", "h2o", "caote", "snapkv", "ea",
+                  "dapq", "mage", "herald", "pyramidkv[block_causal=true]", "adakv[block_causal=true]",
+                  "q-maskahead[bits=4]", "q-maskahead[bits=2]"),
+        capacities=(10.0, 5.0, 20.0),
+        batch_size=4,
+        score_datasets=SUITE5),
+}
+
+
+def sweep_preset(name: str) -> SweepPreset:
+    key = str(name).strip().lower()
+    if key not in SWEEPS:
+        raise ValueError(f"unknown sweep {name!r}; choose one of {sorted(SWEEPS)}")
+    return SWEEPS[key]
+
+
+def sweep_examples(sp: SweepPreset, tokenizer=None) -> list:
+    """The examples of a sweep preset, cell by cell (datasets renamed by the cell's suffix)."""
+    from .datasets import testbed_suite
+
+    out = []
+    for tasks, length, n, suffix in sp.cells:
+        for e in testbed_suite(tasks, [length], sp.depths, n_per_cell=n, seed=sp.seed, tokenizer=tokenizer):
+            if suffix:
+                e = dataclasses.replace(e, dataset=e.dataset + suffix, id=e.dataset + suffix + e.id[len(e.dataset):])
+            out.append(e)
+    return out
+
+
+def sweep_factory(sp: SweepPreset):
+    """factory(label, capacity) for run_sweep: the label's policy with the preset's policy knobs
+    (where the policy has them) and the variant's own knobs on top."""
+    from .policies import knobs, make_policy
+
+    floors = preset_policy_knobs(sp.preset)
+
+    def factory(label, cap):
+        name, vk = parse_variant(label)
+        kw = {k: v for k, v in floors.items() if k in knobs(name)}
+        kw.update(vk)
+        return make_policy(name, cap, **kw)
+
+    return factory

@@ -234,16 +234,31 @@ def load_rows(path: str, repair: bool = True) -> list[dict]:
     return rows
 
 
-def _runs(policies: Sequence[str], capacities: Sequence[Optional[float]]) -> list[tuple[str, Optional[float]]]:
+def _runs(policies: Sequence[str], capacities: Sequence[Optional[float]],
+          order: str = "policy") -> list[tuple[str, Optional[float]]]:
     """(policy, capacity) runs: budgetless policies once (capacity None), the others per capacity.
-    An unknown name is a PolicyError."""
+    A policy may be a variant label, name[knob=value,...] (presets.parse_variant). order:
+    "policy" (each policy's budgets in turn) or "capacity" (every policy at the first budget,
+    then the next: a sweep cut short still compares all policies at its first budget). An
+    unknown name is a PolicyError."""
+    from .presets import parse_variant
+
     runs = []
     for p in policies:
         p = p.strip().lower()
-        caps = [None] if not takes_budget(p) else [c for c in capacities if c is not None] or [None]
+        try:
+            base = parse_variant(p)[0]
+        except ValueError as e:
+            raise PolicyError(str(e)) from None
+        caps = [None] if not takes_budget(base) else [c for c in capacities if c is not None] or [None]
         for c in caps:
             if (p, c) not in runs:
                 runs.append((p, c))
+    if order == "capacity":  # every policy at the first budget, then the next (budgetless first)
+        caps = [None] + [c for c in capacities if c is not None]
+        runs.sort(key=lambda r: caps.index(r[1]) if r[1] in caps else len(caps))
+    elif order != "policy":
+        raise ValueError(f"order must be 'policy' or 'capacity', got {order!r}")
     return runs
 
 
@@ -280,7 +295,8 @@ def run_sweep(model, examples: Sequence[EvalExample], policies: Sequence[str],
               max_new_tokens: Optional[int] = None, policy_factory: Callable = make_policy,
               progress: bool = True, strict: bool = False, plots: bool = True,
               meta: Optional[dict] = None, bucket="auto", pad_batches: bool = True,
-              mesh=None, model_path: Optional[str] = None, dataset: Optional[dict] = None) -> SweepResult:
+              mesh=None, model_path: Optional[str] = None, dataset: Optional[dict] = None,
+              score_datasets: Optional[Sequence[str]] = None, order: str = "policy") -> SweepResult:
     """Run every (policy, capacity) on every example, appending to out_dir/results.jsonl.
 
     Rows already in the file are skipped (resume), but only rows of this run: the file's rows and
@@ -307,7 +323,7 @@ def run_sweep(model, examples: Sequence[EvalExample], policies: Sequence[str],
     if max_new_tokens is not None and int(max_new_tokens) <= 0:
         raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
     built = build_policies(model.config, gen, policies, capacities, policy_factory,
-                           max_new_tokens or max(e.max_new_tokens for e in examples))
+                           max_new_tokens or max(e.max_new_tokens for e in examples), order=order)
     errors = []
     fp = run_fingerprint(model, gen, max_new_tokens, model_path=model_path, dataset=dataset)
     reprs = {(p, cap_label(c)): policy_repr(pol) for (p, c), pol in built.items()}
@@ -389,7 +405,7 @@ def run_sweep(model, examples: Sequence[EvalExample], policies: Sequence[str],
         atomic.write_json(bpath, old, indent=1)
     keys = {(p, cap_label(c), e) for p, c in built for e in ids}  # rows checked against this run
     mine = [r for r in rows if row_key(r) in keys]
-    summary = summarize(mine)
+    summary = summarize(mine, score_datasets)
     summary["errors"] = errors
     summary["run"] = dict(fp, policies={f"{p}@{c}": r for (p, c), r in reprs.items()})
     if meta:
@@ -404,7 +420,7 @@ def run_sweep(model, examples: Sequence[EvalExample], policies: Sequence[str],
 
 def build_policies(model_config, gen: GenerationConfig, policies: Sequence[str],
                    capacities: Sequence[Optional[float]], policy_factory: Callable = make_policy,
-                   max_new_tokens: Optional[int] = None) -> dict:
+                   max_new_tokens: Optional[int] = None, order: str = "policy") -> dict:
     """{(policy, capacity): policy} for every run of a sweep, each built by `policy_factory(name,
     capacity)` and validated against the model config and the resolved generation config, before
     anything runs. Errors: PolicyError naming the run (unknown name, bad knob or budget,
@@ -413,7 +429,7 @@ def build_policies(model_config, gen: GenerationConfig, policies: Sequence[str],
     g = gen if not max_new_tokens else dataclasses.replace(gen, max_new_tokens=int(max_new_tokens))
     resolved = g.resolve(model_config)
     built = {}
-    for p, c in _runs(policies, capacities):
+    for p, c in _runs(policies, capacities, order):
         label = run_label(p, c)
         try:
             pol = policy_factory(p, c)
@@ -441,8 +457,9 @@ def _mean(xs):
     return float(np.mean(xs)) if xs else float("nan")
 
 
-def summarize(rows: Sequence[dict]) -> dict:
-    """Per run (policy, capacity): n, score (macro mean over datasets, x100), per-dataset scores,
+def summarize(rows: Sequence[dict], score_datasets: Optional[Sequence[str]] = None) -> dict:
+    """Per run (policy, capacity): n, score (macro mean over `score_datasets`, default all the
+    datasets, x100), per-dataset scores,
     KV reduction at the end / peak (sum of dense-equivalent bytes / sum of held bytes over the
     examples, and the mean of per-example ratios), mean NFE, and paired sign tests against dense
     and against MaskAhead at the same capacity."""
@@ -450,6 +467,7 @@ def summarize(rows: Sequence[dict]) -> dict:
     for r in rows:
         by[(r["policy"], cap_label(r.get("capacity")))].append(r)
     datasets = sorted({r["dataset"] for r in rows})
+    score_ds = list(score_datasets) if score_datasets else datasets
     runs = []
     scores = {k: {r["id"]: r["score"] for r in v} for k, v in by.items()}
     dense_key = next((k for k in by if k[0] == "dense"), None)
@@ -458,7 +476,7 @@ def summarize(rows: Sequence[dict]) -> dict:
                   if any(r["dataset"] == d for r in rs)}
         run = dict(
             policy=p, capacity=None if c == "full" else float(c), n=len(rs),
-            score=_mean(list(per_ds.values())), per_dataset=per_ds,
+            score=_mean([v for d, v in per_ds.items() if d in score_ds]), per_dataset=per_ds,
             reduction_final=sum(r["dense_bytes_final"] for r in rs) / max(1.0, sum(r["kv_bytes_final"] for r in rs)),
             reduction_peak=sum(r["dense_bytes_peak"] for r in rs) / max(1.0, sum(r["kv_bytes_peak"] for r in rs)),
             reduction_final_mean=_mean([r["reduction_final"] for r in rs]),
@@ -470,7 +488,7 @@ def summarize(rows: Sequence[dict]) -> dict:
         if p != REFERENCE and ref in scores:
             run["vs_maskahead"] = paired_sign_test(scores[(p, c)], scores[ref])
         runs.append(run)
-    return dict(datasets=datasets, runs=runs)
+    return dict(datasets=datasets, runs=runs, score_datasets=score_ds)
 
 
 def _capf(c: str) -> float:
@@ -494,7 +512,9 @@ def to_markdown(summary: dict) -> str:
         cells += [f"{r['reduction_final']:.2f}x", f"{r['reduction_peak']:.2f}x", f"{r['nfe']:.1f}",
                   _fmt_test(r.get("vs_dense")), _fmt_test(r.get("vs_maskahead"))]
         lines.append("| " + " | ".join(cells) + " |")
-    notes = ["", "Scores x100 (dataset macro mean). KV reduction = dense-equivalent bf16 bytes / held bytes, "
+    sd = summary.get("score_datasets")
+    over = f" over {', '.join(sd)}" if sd and sd != ds else ""
+    notes = ["", f"Scores x100 (score: dataset macro mean{over}). KV reduction = dense-equivalent bf16 bytes / held bytes, "
                  "summed over examples. Sign tests: paired by example, ties dropped, exact two-sided binomial."]
     for e in summary.get("errors", []):
         notes.append(f"- error: {e['policy']}@{cap_label(e['capacity'])}: {e['error']}")
