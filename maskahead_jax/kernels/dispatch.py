@@ -8,9 +8,9 @@ All share `reference.attention`'s contract: q [B, Hkv, G, T, D], context [B, Hkv
 QuantKV with leading axes [B, Hkv]), ctx_valid [B, Hkv, S], block k/v [B, Hkv, T, D],
 blk_mask [B, T, T], stat_rows [B, T]; they return (out [B, Hkv, G, T, D], ScoredStats or None).
 
-`impl`: None picks by `jax.default_backend()` ("gpu" -> "pallas_gpu", "tpu" -> "pallas_tpu",
-else "reference"; for packed contexts on a GPU with jax >= 0.11 it picks "reference": the packed
-Mosaic GPU kernels lower under jax 0.10 only, see GPU_PACKED_KERNELS_BELOW_JAX); tests force a
+`impl`: None picks by `jax.default_backend()` ("gpu" -> "pallas_gpu" (Mosaic GPU) for float
+contexts and "pallas_triton" for packed ones, "tpu" -> "pallas_tpu", else "reference"; see
+GPU_PACKED_IMPL for why and for when packed contexts fall back to the reference); tests force a
 kernel with impl=... and interpret=True (or an InterpretParams / InterpretGPUParams instance) on
 CPU. `tile` (tokens per KV tile) and `splits` (parallel KV splits of pass 1) default per backend.
 """
@@ -25,13 +25,19 @@ from .. import quant
 from . import quant_reference, reference, splitk
 from .reference import ScoredStats
 
-IMPLS = ("reference", "pallas_gpu", "pallas_tpu")
-# On an H200 with jax 0.11.2 the float Mosaic GPU kernels ran and matched the references, but the
-# packed (int4 / int2) ones no longer lower: their per-plane wgmma-accumulator step (pl.run_state)
-# fails with "Shaped arrays must be represented by ir.Values" (they lower under jax 0.10.x).
-# Automatic dispatch therefore reads packed contexts with the reference on newer jax;
-# impl="pallas_gpu" still tries the kernel (docs/results.md section 4).
-GPU_PACKED_KERNELS_BELOW_JAX = (0, 11)
+IMPLS = ("reference", "pallas_gpu", "pallas_triton", "pallas_tpu")
+
+# Automatic choice for packed (int4 / int2) contexts on a GPU: the Pallas Triton kernels
+# (gpu_triton.py), which read the packed cache tile by tile.  Why those and not the Mosaic GPU
+# ones: both lower for CUDA at model shapes on every jax checked here (0.10.2, 0.11.2, 0.12.0.1;
+# the Mosaic ones failed to lower on jax 0.11.2 until kernels/gpu.py was fixed), but only the
+# Triton ones can be executed on CPU (interpret mode), where they match quant_reference; no CPU
+# interpreter runs the Mosaic GPU kernels.  NEITHER has run on a GPU yet: the first device session
+# runs them (experiments/gpu_profile.sh, docs/results.md section 4).  Conservative guard: jax
+# releases newer than GPU_PACKED_CHECKED_UP_TO (lowering not checked), or a jax without the
+# (deprecated) Pallas Triton backend, read packed contexts with the jnp reference instead.
+GPU_PACKED_IMPL = "pallas_triton"
+GPU_PACKED_CHECKED_UP_TO = (0, 12)
 
 
 def _jax_version() -> tuple:
@@ -42,10 +48,21 @@ def _jax_version() -> tuple:
     return tuple(out)
 
 
+def _triton_available() -> bool:
+    try:
+        from jax.experimental.pallas import triton  # noqa: F401  (deprecated since jax 0.11)
+    except ImportError:
+        return False
+    return True
+
+
 def resolve_impl(impl: Optional[str] = None, packed: bool = False) -> str:
+    """The implementation to run: `impl` when given (checked), else by the default backend."""
     if impl is None:
         backend = jax.default_backend()
-        if packed and backend == "gpu" and _jax_version() >= GPU_PACKED_KERNELS_BELOW_JAX:
+        if packed and backend == "gpu":
+            if _jax_version() <= GPU_PACKED_CHECKED_UP_TO and _triton_available():
+                return GPU_PACKED_IMPL
             return "reference"
         return {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(backend, "reference")
     if impl not in IMPLS:
@@ -57,6 +74,9 @@ def _backend(impl: str):
     if impl == "pallas_tpu":
         from . import tpu
         return tpu
+    if impl == "pallas_triton":
+        from . import gpu_triton
+        return gpu_triton
     from . import gpu
     return gpu
 
