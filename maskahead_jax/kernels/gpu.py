@@ -19,11 +19,17 @@ dequantized tile loses less than bf16 would) and stored to swizzled SMEM as the 
 operand.  Queries and the probabilities are float16 in that variant; float contexts run
 in their own dtype (bf16 or f16; float32 inputs are cast to bf16).
 
-Verification status: the kernels lower for CUDA on a CPU host (the whole Mosaic GPU lowering:
-layouts, wgmma shapes, swizzles, TMA boxes) in the tests.  `interpret=True` passes
-InterpretGPUParams() (a private module in jax 0.10.2), but that interpreter cannot execute
-them (no run_state / layout_cast / plgpu.load rules, no transposed wgmma operands), so their
-numerics still need a run on an sm90 GPU against the jnp reference.
+Verification status: the kernels lower for CUDA on a CPU host at a model-like shape (the whole
+Mosaic GPU lowering: layouts, wgmma shapes, swizzles, TMA boxes) on jax 0.10.2, 0.11.2 and
+0.12 (tests).  The float ones ran and matched the references on an H200 (jax 0.11.2); the
+packed ones have not run on a GPU yet.  `interpret=True` passes InterpretGPUParams() (a private
+module), but that interpreter cannot execute them (no run_state / layout_cast / plgpu.load
+rules, no transposed wgmma operands), so their numerics need a device run against the jnp
+reference; gpu_triton.py is the packed GPU implementation that CPU tests can execute.
+jax >= 0.11 notes: a scalar (a plane index into a stacked SMEM ref) closed over by the
+pl.run_state accumulator step does not lower ("Shaped arrays must be represented by
+ir.Values"), so each dequantized plane has its own SMEM ref; jax 0.12 refuses TMA copies that
+stride more than 5 dims after tiling, so the per-plane outputs are stored one plane at a time.
 Limits: packed rows need head_dim * bits / 8 >= 32 bytes; pass 2 keeps all R query rows in
 SMEM (R <= 512 at D = 128).
 """
