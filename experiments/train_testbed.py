@@ -164,6 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--export-minutes", type=float, default=None,
                     help="also export to --out every this many training minutes")
     ap.add_argument("--final-lengths", default="512,1024", help="held-out eval lengths after training (empty: none)")
+    ap.add_argument("--log-every", type=int, default=25,
+                    help="append the running loss to --run-dir/metrics.jsonl every this many steps")
     return ap
 
 
@@ -175,6 +177,8 @@ def check_data_flags(args) -> None:
     if getattr(args, "answer_mask_max_len", 0) < 0:
         raise SystemExit(f"bad --answer-mask-max-len {args.answer_mask_max_len}: need a token count >= 0 "
                          "(0: no limit)")
+    if getattr(args, "log_every", 1) < 1:
+        raise SystemExit(f"bad --log-every {args.log_every}: need a step count >= 1")
     if parse_grow_after(getattr(args, "grow_after", None)) and not getattr(args, "init_from", None):
         raise SystemExit("--grow-after deepens the model loaded by --init-from; pass --init-from too")
     if getattr(args, "grow_heads", False) and not getattr(args, "init_from", None):
@@ -291,7 +295,7 @@ def main(argv=None):
         pbar.n = int(min(elapsed, budget))
         pbar.set_postfix(step=step, L=L, loss=f"{ema:.3f}", acc=f"{float(acc):.2f}", lr=f"{lr:.1e}", refresh=False)
         pbar.update(0)
-        if step % 25 == 0:
+        if step % args.log_every == 0:
             log({"step": step, "elapsed": elapsed, "L": L, "loss": ema, "acc": float(acc), "lr": lr})
         if elapsed - last_eval >= 60 * args.eval_minutes or (args.smoke and elapsed >= budget):
             te = time.time()

@@ -491,7 +491,7 @@ def test_grow_heads_keeps_the_function_and_trains_the_new_heads(tmp_path, tok):
                                         ("--mqar-pairs", "5:2"), ("--mqar-templates", "poem"),
                                         ("--edge-depths", "1.5"), ("--hard-keys", "1.5"), ("--stages", "0:512"),
                                         ("--grow-after", "1,x"), ("--grow-after", "1"),
-                                        ("--grow-heads", None)])
+                                        ("--grow-heads", None), ("--log-every", "0")])
 def test_bad_data_flags_fail_at_startup(flag, value, monkeypatch):
     """A malformed data flag exits naming the flag before the model is built or anything written."""
     monkeypatch.setattr(tt, "init_params", lambda *a, **k: pytest.fail("built the model"))
