@@ -92,11 +92,11 @@ def test_batch_layout_prompt_padding_response_and_weights():
 
 
 def _ragged(cfg, key, b=2, pw=48, g=32):
-    prompt = np.asarray(jax.random.randint(key, (b, pw), 5, cfg.vocab_size), np.int32)
+    prompt = np.array(jax.random.randint(key, (b, pw), 5, cfg.vocab_size), np.int32)
     plen = np.array([pw, pw - 11][:b], np.int32)
     for i in range(b):
         prompt[i, plen[i]:] = cfg.mask_token_id
-    xt = np.asarray(jax.random.randint(jax.random.fold_in(key, 1), (b, g), 5, cfg.vocab_size), np.int32)
+    xt = np.array(jax.random.randint(jax.random.fold_in(key, 1), (b, g), 5, cfg.vocab_size), np.int32)
     xt[:, ::3] = cfg.mask_token_id
     return prompt, plen, xt
 
