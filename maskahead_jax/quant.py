@@ -21,10 +21,13 @@ Bytes per token per (layer, KV head) at D = 128, 4-bit: keys 64 payload + 16 met
 (2 x fp16 per channel per 32 tokens), values 64 + 16 (2 x fp16 per 32 channels) = 160,
 against 512 in bfloat16 (3.2x).  2-bit: 32 + 16 + 32 + 16 = 96.
 
-Deviation from the released code (its `compaction: lazy`): on eviction we requantize the
-keys of *every* survivor into fresh 32-token groups (dequantize -> gather -> quantize), while
-the released code copies fully surviving groups bit-exactly and pads every lane to the most
-scattered lane's group count.  Why: full requantization keeps every (layer, batch, KV head)
+Deviation from the released code (its `compaction: lazy`), by default: on eviction we
+requantize the keys of *every* survivor into fresh 32-token groups (dequantize -> gather ->
+quantize), while the released code copies fully surviving groups bit-exactly and pads every
+lane to the most scattered lane's group count. The released rule is `lazy_compact`
+(QMaskAhead(compaction="lazy", repack_below=1.0), tested against numpy): groups keeping
+>= repack_below of their entries copied bit-exactly, the other survivors' keys *and values*
+requantized from their dequantized values into fresh groups after the row's most kept groups.  Why: full requantization keeps every (layer, batch, KV head)
 lane rectangular with a static capacity, so eviction is one gather + one quantize under jit
 with no ragged group bookkeeping and no padding slots to pay for in memory.  The cost is one
 more rounding of the surviving keys (bounded by half a step of their new group).  Values
@@ -368,6 +371,88 @@ def requantize_survivors(q: QuantKV, idx: jax.Array, count: Optional[jax.Array] 
     # survivors past the last full group form the new bf16 residual
     return QuantKV(kc, ks, kz, vc, vs, vz,
                    k[..., kq:, :].astype(RESIDUAL_DTYPE), v[..., kq:, :].astype(RESIDUAL_DTYPE))
+
+
+def _lane_index(shape):
+    """Broadcastable iotas over the leading [L, B, Hkv] axes of a [L, B, Hkv, K] array."""
+    return tuple(jnp.arange(n).reshape((-1,) + (1,) * (len(shape) - 1 - i)) for i, n in enumerate(shape[:-1]))
+
+
+def lazy_layout(idx: jax.Array, live: jax.Array, num_old: int, capacity: int, need: int):
+    """The released `compaction: lazy` layout of the survivors idx [L, B, Hkv, K] (live marks
+    them) of a packed cache of `num_old` slots, in a buffer of `capacity` slots, per lane:
+
+      [ key groups with >= `need` survivors, copied whole in group order (their dead slots stay,
+        masked) | padding up to the row's most kept groups (G1) | the other survivors in idx
+        order (position order), to be quantized into fresh groups ]
+
+    (released session._evict_to -> PackedKVCache.rebuild: groups_before, then encode; the
+    released pads every lane to the largest kept-group count over all lanes, we over the lanes
+    of a row). Returns (src, valid, kept, encoded) [L, B, Hkv, capacity]: the old slot of each
+    new slot, which new slots hold survivors, which lie in the kept groups / the re-encoded
+    region; old_group [L, B, Hkv, capacity / 32]: the old group of each kept new group; and
+    n_kept [L, B, Hkv] kept groups, n_enc [L, B, Hkv] re-encoded survivors, g1 [B]. The caller
+    sizes `capacity` >= 32 * G1 + max n_enc (QMaskAhead.plan)."""
+    L, B, H, K = idx.shape
+    ng = num_old // GROUP
+    ix = _lane_index(idx.shape)
+    idx = idx.astype(jnp.int32)
+    g = jnp.where(live, idx // GROUP, ng)  # ng: not counted
+    counts = jnp.zeros((L, B, H, ng + 1), jnp.int32).at[ix + (g,)].add(live.astype(jnp.int32))[..., :ng]
+    full = counts >= need  # [L, B, H, NG]
+    n_kept = full.sum(-1).astype(jnp.int32)
+    g1 = n_kept.max(axis=(0, 2))  # [B]
+    order = jnp.argsort(jnp.logical_not(full), axis=-1, stable=True).astype(jnp.int32)  # kept groups first
+    surv = jnp.zeros((L, B, H, num_old + 1), bool).at[ix + (jnp.where(live, idx, num_old),)].set(True)
+    in_full = live & jnp.take_along_axis(full, jnp.clip(g, 0, ng - 1), axis=-1) & (g < ng)
+    enc = live & jnp.logical_not(in_full)
+    rank = jnp.cumsum(enc, axis=-1) - 1
+    n_enc = enc.sum(-1).astype(jnp.int32)
+    enc_src = jnp.zeros((L, B, H, K + 1), jnp.int32).at[ix + (jnp.where(enc, rank, K),)].set(idx)[..., :K]
+    j = jnp.arange(capacity)
+    kept = j < GROUP * n_kept[..., None]
+    tg = jnp.clip(j // GROUP, 0, ng - 1)
+    old_slot = jnp.take_along_axis(order, jnp.broadcast_to(tg, idx.shape[:3] + (capacity,)), axis=-1) * GROUP \
+        + j % GROUP
+    e = j - GROUP * g1[None, :, None, None]
+    encoded = (e >= 0) & (e < n_enc[..., None])
+    from_enc = jnp.take_along_axis(enc_src, jnp.clip(e, 0, K - 1), axis=-1)
+    src = jnp.where(kept, old_slot, jnp.where(encoded, from_enc, 0))
+    valid = jnp.where(kept, jnp.take_along_axis(surv, jnp.clip(old_slot, 0, num_old), axis=-1), encoded)
+    ngn = capacity // GROUP
+    old_group = jnp.take_along_axis(order, jnp.broadcast_to(jnp.clip(jnp.arange(ngn), 0, ng - 1),
+                                                            idx.shape[:3] + (ngn,)), axis=-1)
+    return src, valid, kept, encoded, old_group, n_kept, n_enc, g1
+
+
+def lazy_compact(q: QuantKV, idx: jax.Array, live: jax.Array, capacity: int, need: int):
+    """The released lazy compaction of a packed cache (no residual) to survivors idx / live
+    [L, B, Hkv, K]: key groups with >= `need` survivors keep their codes and fp16 scale / zero
+    bit-exactly (keys and values); the other survivors are dequantized and quantized into fresh
+    groups, keys *and* values (released `rebuild`: quantize_key_groups_into /
+    quantize_values_into on the dequantized survivors, a partial last group padded with zeros
+    that take part in its min / max). Returns (QuantKV of `capacity` slots, src, valid,
+    extent [B]: 32 * (G1 + ceil(max re-encoded / 32)), the row's physical length)."""
+    if q.k_res.shape[-2]:
+        raise ValueError("lazy compaction needs a packed cache without a residual")
+    if capacity % GROUP:
+        raise ValueError(f"capacity {capacity} must be a multiple of {GROUP}")
+    src, valid, kept, encoded, old_group, n_kept, n_enc, g1 = lazy_layout(idx, live, q.num_packed, capacity, need)
+    k, v = gather_dequant(q, src, jnp.float32)
+    k = jnp.where(encoded[..., None], k, 0.0)
+    v = jnp.where(encoded[..., None], v, 0.0)
+    kc, ks, kz = quantize_keys(k, q.bits)
+    vc, vs, vz = quantize_values(v, q.bits)
+    ip = jnp.clip(src, 0, q.num_packed - 1)
+    kr = kept[..., None]
+    kc = jnp.where(kr, _take_rows(q.k_codes, ip), kc)
+    vc, vs, vz = (jnp.where(kr, _take_rows(a, ip), b) for a, b in ((q.v_codes, vc), (q.v_scale, vs), (q.v_zero, vz)))
+    kg = (jnp.arange(capacity // GROUP) < n_kept[..., None])[..., None]
+    ks = jnp.where(kg, _take_rows(q.k_scale, old_group), ks)
+    kz = jnp.where(kg, _take_rows(q.k_zero, old_group), kz)
+    g2 = -(-n_enc.max(axis=(0, 2)) // GROUP)
+    extent = (GROUP * (g1 + g2)).astype(jnp.int32)
+    return q._replace(k_codes=kc, k_scale=ks, k_zero=kz, v_codes=vc, v_scale=vs, v_zero=vz), src, valid, extent
 
 
 def write_tokens(q: QuantKV, k_new: jax.Array, v_new: jax.Array, start: jax.Array,

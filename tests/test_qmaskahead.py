@@ -255,3 +255,119 @@ def test_small_blocks_and_head_sizes_match_the_simulated_cache(bs, d, chunk):
     assert out.stats["evictions"] >= 1
     with pytest.raises(PolicyError, match="residual=True"):
         generate(m, _prompts((70, 45)), gc, policy=QMaskAhead(**SMALL))
+
+
+# ----------------------------------------------------------------------------- lazy compaction
+def _np_released_quant(x: np.ndarray, axis: int, bits: int):
+    """The released min/max rule in numpy float32: codes from the unrounded min and scale,
+    floor(. + 0.5), then fp16 storage of scale / zero. x float32; reduces over `axis`."""
+    qmax = np.float32(2 ** bits - 1)
+    lo, hi = x.min(axis, keepdims=True), x.max(axis, keepdims=True)
+    s32 = np.maximum((hi - lo) / qmax, np.float32(1e-8)).astype(np.float32)
+    codes = np.clip(np.floor((x - lo) / s32 + np.float32(0.5)), 0, qmax).astype(np.uint8)
+    return codes, s32.astype(np.float16), lo.astype(np.float16)
+
+
+def _np_lazy_lane(k_old, v_old, kc_old, ks_old, kz_old, vc_old, vs_old, vz_old, pos_old, surv, need, bits):
+    """Released lazy compaction of one lane, from the old slots' codes and dequantized values:
+    {position: (key codes, key group scale/zero row, value codes, value scale, value zero)}
+    of every survivor, and (kept groups, re-encoded count)."""
+    g = surv // 32
+    groups, counts = np.unique(g, return_counts=True)
+    kept = set(groups[counts >= need].tolist())
+    out = {}
+    for s in surv:
+        if s // 32 in kept:  # bit-exact copy of the group's codes and metadata
+            out[int(pos_old[s])] = (kc_old[s], ks_old[s // 32], kz_old[s // 32], vc_old[s], vs_old[s], vz_old[s])
+    enc = sorted((int(pos_old[s]), s) for s in surv if s // 32 not in kept)
+    n = len(enc)
+    if n:
+        m = -(-n // 32) * 32
+        kx = np.zeros((m, k_old.shape[-1]), np.float32)
+        vx = np.zeros_like(kx)
+        for i, (_, s) in enumerate(enc):
+            kx[i], vx[i] = k_old[s], v_old[s]
+        kcod, ksc, kze = _np_released_quant(kx.reshape(m // 32, 32, -1), 1, bits)  # per channel over 32 tokens
+        vcod, vsc, vze = _np_released_quant(vx.reshape(m, -1, 32), 2, bits)  # per token over 32 channels
+        kcod, vcod = kcod.reshape(m, -1), vcod.reshape(m, -1)
+        for i, (p, _) in enumerate(enc):
+            out[p] = (kcod[i], ksc[i // 32, 0], kze[i // 32, 0], vcod[i], vsc[i, :, 0], vze[i, :, 0])
+    return out, (len(kept), n)
+
+
+@pytest.mark.parametrize("repack_below", [1.0, 0.75])
+def test_lazy_compaction_matches_the_released_rule_in_numpy(repack_below, monkeypatch):
+    """quant.lazy_compact / the lazy cache == a direct numpy computation of the released
+    `compaction: lazy` (session._evict_to -> PackedKVCache.rebuild): groups keeping >= need
+    survivors copied bit-exactly, the others requantized (keys and values, zero-padded last
+    group) in position order; the row's physical length 32 * (G1 + ceil(max re-encoded / 32))."""
+    monkeypatch.setattr(quant, "ROUNDING", "released")
+    l, b, h, d, n, bits = 2, 2, 2, 32, 256, 4
+    need = max(1, int(np.ceil(repack_below * 32)))
+    rng = np.random.RandomState(0)
+    k, v = _kv(jax.random.PRNGKey(3), l, b, h, n, d)
+    c = packed.lazy_type(need)(*packed.empty(l, b, h, n, d, bits))
+    pos = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
+    c = kvc.append(c, k, v, pos, jnp.full((b,), n, jnp.int32))
+    # survivors per lane: whole groups, groups missing a few entries, sparse groups
+    scores = np.zeros((l, b, h, n), np.float32)
+    for lane in np.ndindex(l, b, h):
+        for g in range(n // 32):
+            kind = rng.randint(3)
+            keep = {0: 32, 1: 32 - rng.randint(1, 8), 2: rng.randint(0, 12)}[kind]
+            sl = g * 32 + rng.choice(32, keep, replace=False)
+            scores[lane + (sl,)] = 1.0 + rng.rand(keep)
+    keep_n = (scores > 0).sum(-1)
+    cap = 2 * n
+    idx, keep = choose_slots(c.valid, c.pos, jnp.asarray(scores), jnp.asarray(keep_n), cap)
+    live = keep & jnp.take_along_axis(c.valid, idx, axis=-1)
+    new = c.gather(idx, keep)
+    assert type(new) is type(c)
+    kd, vd = (np.asarray(a) for a in quant.dequantize_kv(c.q, jnp.float32))
+    old = [np.asarray(a) for a in (c.q.k_codes, c.q.k_scale, c.q.k_zero, c.q.v_codes, c.q.v_scale, c.q.v_zero)]
+    old[0], old[3] = np.asarray(quant.unpack(c.q.k_codes, bits)), np.asarray(quant.unpack(c.q.v_codes, bits))
+    nq = [np.asarray(quant.unpack(new.q.k_codes, bits)), np.asarray(new.q.k_scale), np.asarray(new.q.k_zero),
+          np.asarray(quant.unpack(new.q.v_codes, bits)), np.asarray(new.q.v_scale), np.asarray(new.q.v_zero)]
+    npos, nval = np.asarray(new.pos), np.asarray(new.valid)
+    idx_np, live_np = np.asarray(idx), np.asarray(live)
+    for bi in range(b):
+        kept_max = enc_max = 0
+        for li in range(l):
+            for hi in range(h):
+                lane = (li, bi, hi)
+                surv = idx_np[lane][live_np[lane]]
+                want, (nk, ne) = _np_lazy_lane(kd[lane], vd[lane], *(a[lane] for a in old),
+                                               np.asarray(c.pos)[lane], surv, need, bits)
+                kept_max, enc_max = max(kept_max, nk), max(enc_max, ne)
+                slots = np.nonzero(nval[lane])[0]
+                assert sorted(npos[lane][slots].tolist()) == sorted(want)
+                for s in slots:
+                    w = want[int(npos[lane][s])]
+                    got = (nq[0][lane][s], nq[1][lane][s // 32], nq[2][lane][s // 32], nq[3][lane][s],
+                           nq[4][lane][s], nq[5][lane][s])
+                    for x, y in zip(got, w):
+                        np.testing.assert_array_equal(x, y)
+        assert int(new.length[bi]) == 32 * (kept_max + -(-enc_max // 32))
+        assert int(np.max(np.nonzero(nval[:, bi].any(axis=(0, 1)))[0])) + 1 <= int(new.length[bi])
+    assert (nval.sum(-1) == keep_n).all()
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_lazy_compaction_end_to_end():
+    """q-maskahead compaction='lazy' through generate: at a full budget it is the requantize
+    run (no eviction); at a small one it evicts, and its memory is never below the requantize
+    run's (it holds the padded physical layout); bad settings are clear errors."""
+    m = _model()
+    full = [generate(m, _prompts(), GC, policy=QMaskAhead(**FULL, compaction=c)) for c in ("requantize", "lazy")]
+    assert full[0].tokens == full[1].tokens
+    runs = {c: generate(m, _prompts(), GC, policy=QMaskAhead(**SMALL, compaction=c)) for c in ("requantize", "lazy")}
+    assert runs["lazy"].stats["evictions"] >= 2
+    for a, r in zip(runs["lazy"].stats["kv_bytes_final"], runs["requantize"].stats["kv_bytes_final"]):
+        assert a >= r
+    cfg = m.config
+    gen = GC.resolve(cfg)
+    for kw, msg in ((dict(compaction="eager"), "compaction must be"), (dict(repack_below=0.0), "repack_below"),
+                    (dict(compaction="lazy", residual=True), "residual=True"),
+                    (dict(compaction="lazy", recent=64, capacity_floor=128, interval_blocks=1), "recent window")):
+        with pytest.raises(PolicyError, match=msg):
+            QMaskAhead(**{**SMALL, **kw}).validate(cfg, gen)

@@ -18,6 +18,8 @@ packed `quant.QuantKV` (research/maskahead.md section 4, docs/quantization.md).
 * `keep_top` / `gather` (eviction): survivors' keys are dequantized, gathered and requantized
   into fresh 32-token groups, values move bit-exactly (`quant.requantize_survivors`; the
   documented deviation from the released code's lazy compaction). Capacities are multiples of 32.
+  `lazy_type(need)(*empty(...))`: a cache with the released lazy compaction instead
+  (quant.lazy_compact; QMaskAhead(compaction="lazy")).
 * `context()` is a `Context(k=QuantKV slice, v=None, valid)`: the layers dequantize it inside the
   layer body (model/decoder.py), so the step-0 scored pass, the probe and dense layers read the
   packed cache.
@@ -38,7 +40,7 @@ import jax.numpy as jnp
 from .. import quant
 from ..model import Context
 from .float_cache import KVCache
-from .slots import choose_slots
+from .slots import choose_slots, take_slots
 
 GROUP = quant.GROUP
 
@@ -198,7 +200,7 @@ class QKVCache(NamedTuple):
 
     def _with_book(self, q, book: KVCache, open_k=None, open_v=None) -> "QKVCache":
         ok, ov = (self.open_k, self.open_v) if open_k is None else (open_k, open_v)
-        return QKVCache(q, book.pos, book.valid, book.acc, book.length, book.seen, ok, ov)
+        return type(self)(q, book.pos, book.valid, book.acc, book.length, book.seen, ok, ov)
 
     def append(self, k_new, v_new, pos_new, n_new) -> "QKVCache":
         """Quantize and write the first n_new[b] of T new entries at slot length[b] (32-aligned
@@ -258,6 +260,38 @@ class QKVCache(NamedTuple):
         """The compact buffer of selected entries: gathered and dequantized to `dtype`."""
         k, v = quant.gather_dequant(self.q, idx, dtype)
         return Context(k, v, jnp.take_along_axis(self.valid, idx, axis=3) & keep)
+
+
+class _LazyQKVCache(QKVCache):
+    """A QKVCache whose eviction is the released `compaction: lazy` (quant.lazy_compact): key
+    groups with at least `need` survivors stay bit-exact, the other survivors are requantized
+    (keys and values) into fresh groups after the row's most kept groups. Slots are then not in
+    position order: kept groups first, then the re-encoded survivors by position, and the write
+    pointer `length` is the row's physical length 32 * (G1 + ceil(max re-encoded / 32))
+    (released `rebuild`'s new length, per row), which the memory stats count."""
+    __slots__ = ()
+    need: int = GROUP
+
+    def gather(self, idx, keep) -> "QKVCache":
+        if self.residual:
+            raise ValueError("lazy compaction needs a cache without the open group (residual=False)")
+        live = take_slots(self.valid, idx) & keep
+        q, src, valid, extent = quant.lazy_compact(self.q, idx, live, idx.shape[-1], self.need)
+        book = self._book().gather(src, valid)
+        return self._with_book(q, book._replace(length=extent))
+
+
+_LAZY: dict = {}
+
+
+def lazy_type(need: int) -> type:
+    """The QKVCache subclass of lazy compaction with `need` survivors to keep a key group (one
+    class per value: it is static, the cache's pytree leaves stay those of QKVCache)."""
+    if not 1 <= need <= GROUP:
+        raise ValueError(f"need must be in [1, {GROUP}], got {need}")
+    if need not in _LAZY:
+        _LAZY[need] = type(f"LazyQKVCache{need}", (_LazyQKVCache,), {"need": need, "__slots__": ()})
+    return _LAZY[need]
 
 
 def empty(num_layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int,

@@ -10,6 +10,12 @@ Selection and eviction are MaskAhead's; only the storage differs (cache.packed.Q
   that the later steps and the commit forward read;
 * eviction ranks by A_i * ||v_i - c|| with v the dequantized values, and requantizes the
   survivors' keys into fresh groups (quant.requantize_survivors: the documented deviation).
+  compaction="lazy" (the released default, `compaction: lazy, repack_below: 1.0`): a key group
+  keeping >= repack_below of its 32 entries is copied bit-exactly, the other survivors are
+  requantized (keys and values) into fresh groups placed after the row's most kept groups
+  (quant.lazy_compact, cache.packed.lazy_type); memory counts that padded physical length,
+  as released. Ours stays the default: one rectangular requantize, no padding slots to pay for
+  (more reduction at the same budget), values never requantized.
 
 Whole key groups: capacities and eviction budgets C(seen) are rounded *up* to multiples of 32.
 Blocks and prefill chunks that are multiples of 32 start every append on a group boundary.
@@ -32,6 +38,7 @@ same quantize -> dequantize round trip: the float reference the tests compare th
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 import jax.numpy as jnp
@@ -42,6 +49,9 @@ from .eviction import Budget, budget_of
 from .maskahead import MaskAhead
 from .protocol import PolicyError
 from .selection import Selector
+
+
+COMPACTIONS = ("requantize", "lazy")
 
 
 def _round_up(x: int, m: int = quant.GROUP) -> int:
@@ -55,6 +65,8 @@ class QMaskAhead(MaskAhead):
     compact_dtype: str = "bfloat16"  # dtype of the gathered buffer of selected entries
     simulate: bool = False  # test reference: float cache on quantize -> dequantize values
     residual: bool = False  # keep the bf16 open group: blocks / prefill chunks of any size
+    compaction: str = "requantize"  # eviction: requantize (ours) | lazy (released default)
+    repack_below: float = 1.0  # lazy: a key group keeping >= this share of its entries stays bit-exact
 
     def validate(self, cfg, gen) -> None:
         super().validate(cfg, gen)
@@ -64,6 +76,19 @@ class QMaskAhead(MaskAhead):
             raise PolicyError("q-maskahead needs a block-causal family (its packed cache is the "
                               "block-causal core's; the bidirectional core keeps a float cache)")
         g = quant.GROUP
+        if self.compaction not in COMPACTIONS:
+            raise PolicyError(f"compaction must be one of {'|'.join(COMPACTIONS)}, got {self.compaction!r}")
+        if not 0.0 < float(self.repack_below) <= 1.0:
+            raise PolicyError(f"repack_below must be in (0, 1], got {self.repack_below}")
+        if self.compaction == "lazy":
+            bad = [w for w, on in (("residual=True", self.residual), ("simulate=True", self.simulate)) if on]
+            if bad:
+                raise PolicyError(f"compaction='lazy' works on the packed cache without the open group; "
+                                  f"drop {' and '.join(bad)}")
+            if self.recent and self.interval_blocks * gen.block_size < self.recent:
+                raise PolicyError(f"compaction='lazy' leaves slots out of position order, so the recent "
+                                  f"window ({self.recent}) must be refilled by the interval_blocks * block_size "
+                                  f"= {self.interval_blocks * gen.block_size} entries appended between evictions")
         if cfg.head_dim % g:
             raise PolicyError(f"q-maskahead needs head_dim to be a multiple of {g} (value groups "
                               f"of {g} channels), got {cfg.head_dim}")
@@ -83,11 +108,22 @@ class QMaskAhead(MaskAhead):
 
     def plan(self, prompt_cap: int, total_cap: int, block_size: int, chunk: int = 512) -> tuple[int, int]:
         c0, c1 = super().plan(prompt_cap, total_cap, block_size, chunk)
+        if self.compaction == "lazy" and self.eviction is not None:
+            # room for the lazy layout: kept groups padded to the row's most (<= C * 32 / need
+            # slots), then up to C re-encoded survivors, then the blocks until the next eviction
+            cap = self.budget().capacity(total_cap)
+            c1 += _round_up(-(-cap * quant.GROUP // self.need))
         return _round_up(c0), _round_up(c1)
+
+    @property
+    def need(self) -> int:
+        """Survivors a key group must keep to stay bit-exact under lazy compaction."""
+        return max(1, math.ceil(float(self.repack_below) * quant.GROUP))
 
     # ------------------------------------------------------------------ storage
     def empty_cache(self, num_layers, batch, kv_heads, capacity, head_dim, dtype=jnp.bfloat16, group_size=1):
         if self.simulate:
             return simulated.sim_empty(num_layers, batch, kv_heads, capacity, head_dim, dtype, self.bits,
                                        self.residual)
-        return packed.empty(num_layers, batch, kv_heads, capacity, head_dim, self.bits, self.residual)
+        c = packed.empty(num_layers, batch, kv_heads, capacity, head_dim, self.bits, self.residual)
+        return packed.lazy_type(self.need)(*c) if self.compaction == "lazy" else c
