@@ -477,3 +477,51 @@ def test_longbench_v2_multiple_choice(tmp_path):
     (tmp_path / "lines.json").write_text(json.dumps([1, 2]))
     with pytest.raises(ValueError, match="record 0 is a int, not a JSON object"):
         D.load_longbench(str(tmp_path / "lines.json"), tok, 1000)
+
+
+def test_sweep_variants_and_capacity_order():
+    from maskahead_jax.evaluation.presets import parse_variant, sweep_factory, sweep_preset
+    from maskahead_jax.evaluation.sweep import _runs
+
+    assert parse_variant("q-maskahead[bits=2,compaction=lazy]") == ("q-maskahead", {"bits": 2, "compaction": "lazy"})
+    assert parse_variant("maskahead") == ("maskahead", {})
+    with pytest.raises(ValueError, match="variant"):
+        parse_variant("q-maskahead[bits=2")
+    runs = _runs(["maskahead", "dense", "q-maskahead[bits=2]"], [10.0, 5.0], order="capacity")
+    assert runs == [("dense", None), ("maskahead", 10.0), ("q-maskahead[bits=2]", 10.0), ("maskahead", 5.0),
+                    ("q-maskahead[bits=2]", 5.0)]
+    sp = sweep_preset("testbed-policies")
+    pol = sweep_factory(sp)("q-maskahead[bits=2]", 5.0)
+    assert (pol.bits, pol.capacity_pct, pol.capacity_floor, pol.topk_floor, pol.recent) == (2, 5.0, 64, 32, 32)
+    assert sweep_factory(sp)("pyramidkv[block_causal=true]", 5.0).block_causal is True
+
+
+def test_eval_sweep_preset_runs_resumes_and_exports(tmp_path, monkeypatch, capsys):
+    """`maskahead eval --sweep NAME` on a small preset: rows under the variant labels, the
+    suffixed cell as its own dataset outside the headline score, a rerun adds nothing, clashing
+    flags are refused, and the export writes the trimmed rows and the same table."""
+    from maskahead_jax import cli
+    from maskahead_jax.evaluation import export as EX, presets as P
+
+    sp = P.SweepPreset(note="test", preset="testbed", cells=((("passkey",), 256, 1, ""), (("passkey",), 320, 1, "@320")),
+                       depths=(0.5,), policies=("dense", "q-maskahead[bits=2]"), capacities=(50.0,),
+                       batch_size=2, score_datasets=("passkey",))
+    monkeypatch.setitem(P.SWEEPS, "tiny", sp)
+    out = str(tmp_path / "sw")
+    assert cli.main(["eval", "--sweep", "tiny", "--out", out, "--no-plots", "--no-progress"]) == 0
+    rows = load_rows(os.path.join(out, "results.jsonl"))
+    assert sorted({(r["policy"], r["capacity"]) for r in rows}) == [("dense", None), ("q-maskahead[bits=2]", 50.0)]
+    assert sorted({r["dataset"] for r in rows}) == ["passkey", "passkey@320"]
+    with open(os.path.join(out, "summary.json")) as f:
+        summ = json.load(f)
+    for run in summ["runs"]:
+        assert run["score"] == pytest.approx(run["per_dataset"]["passkey"])
+    assert cli.main(["eval", "--sweep", "tiny", "--out", out, "--no-plots", "--no-progress"]) == 0
+    assert len(load_rows(os.path.join(out, "results.jsonl"))) == len(rows)
+    assert cli.main(["eval", "--sweep", "tiny", "--out", out, "--policies", "dense"]) == 2
+    md = EX.export(out, str(tmp_path / "x.jsonl"), sp.score_datasets)
+    with open(os.path.join(out, "summary.md")) as f:
+        assert f.read().split("\n")[:4] == md.split("\n")[:4]
+    with open(tmp_path / "x.jsonl") as f:
+        trimmed = [json.loads(x) for x in f]
+    assert len(trimmed) == len(rows) and set(trimmed[0]) == set(EX.KEEP)

@@ -1,0 +1,58 @@
+"""A sweep's rows as committed files: the per-example results trimmed to what the tables need
+(docs/testbed_results/*.jsonl) and the summary table recomputed from them, also for a sweep
+that is still running or was cut short (summary.md is only written when a sweep ends).
+
+    python -m maskahead_jax.evaluation.export runs/sweep37 docs/testbed_results/sweep37.jsonl \
+        --sweep testbed-policies
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Optional, Sequence
+
+from . import atomic
+from .sweep import load_rows, summarize, to_markdown
+
+KEEP = ("policy", "capacity", "id", "dataset", "score", "prediction", "reduction_final", "reduction_peak",
+        "kv_bytes_final", "kv_bytes_peak", "dense_bytes_final", "dense_bytes_peak", "nfe",
+        "n_prompt_tokens", "n_gen_tokens", "length", "depth", "evictions")
+
+
+def trim(rows: Sequence[dict]) -> list[dict]:
+    """Rows with only the KEEP fields, sorted by (policy, capacity, id)."""
+    out = [{k: r.get(k) for k in KEEP} for r in rows]
+    return sorted(out, key=lambda r: (r["policy"], -1 if r["capacity"] is None else r["capacity"], r["id"]))
+
+
+def export(run_dir: str, out_jsonl: str, score_datasets: Optional[Sequence[str]] = None) -> str:
+    """Write the trimmed rows of run_dir/results.jsonl to out_jsonl (atomically); return the
+    Markdown summary of those rows (scores, KV reduction end / peak, NFE, sign tests)."""
+    rows = load_rows(os.path.join(run_dir, "results.jsonl"), repair=False)
+    if not rows:
+        raise ValueError(f"{run_dir}: no result rows")
+    t = trim(rows)
+    atomic.write_text(out_jsonl, "".join(json.dumps(r, sort_keys=True) + "\n" for r in t))
+    return to_markdown(summarize(t, score_datasets))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m maskahead_jax.evaluation.export", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("run_dir")
+    ap.add_argument("out_jsonl")
+    ap.add_argument("--sweep", default=None, help="a sweep preset: its headline score datasets")
+    a = ap.parse_args(argv)
+    sd = None
+    if a.sweep:
+        from .presets import sweep_preset
+
+        sd = sweep_preset(a.sweep).score_datasets
+    print(export(a.run_dir, a.out_jsonl, sd))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
