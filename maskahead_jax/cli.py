@@ -372,7 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "testbed-policies = docs/results.md §2 (the five testbed tasks at 2048 tokens x 2 "
                         "seeds x 5 depths, passkey at 4096 x 1 x 5; dense, maskahead, maskahead-bounded, "
                         "streaming, h2o, caote, snapkv, ea, dapq, mage, herald, pyramidkv, adakv (block_causal=true: the testbed is block-causal), "
-                        "q-maskahead[bits=4], q-maskahead[bits=2] at 10%%, then 5%%, then 20%%; --preset "
+                        "q-maskahead[bits=4], q-maskahead[bits=2], q-maskahead[bits=4,compaction=lazy] at 10%%, then 5%%, then 20%%; --preset "
                         "testbed and its floors; batch 4). Resumes like any eval: rerun the same command")
     e.add_argument("--bucket", default="auto",
                    help="prompt-length bucket quantum in tokens, or auto (<= 12.5%% padding)")

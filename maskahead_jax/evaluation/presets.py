@@ -107,7 +107,7 @@ SWEEPS: dict[str, SweepPreset] = {
         depths=(0.0, 0.25, 0.5, 0.75, 1.0),
         policies=("dense", "maskahead", "maskahead-bounded", "streaming", "h2o", "caote", "snapkv", "ea",
                   "dapq", "mage", "herald", "pyramidkv[block_causal=true]", "adakv[block_causal=true]",
-                  "q-maskahead[bits=4]", "q-maskahead[bits=2]"),
+                  "q-maskahead[bits=4]", "q-maskahead[bits=2]", "q-maskahead[bits=4,compaction=lazy]"),
         capacities=(10.0, 5.0, 20.0),
         batch_size=4,
         score_datasets=SUITE5),
