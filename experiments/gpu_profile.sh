@@ -5,8 +5,9 @@
 #      compiled for real (not interpret), float + packed int4 / int2, against the jnp references
 #      at G=7, head_dim 128, 32-token block, 16k context), plus the dispatch tests; the CPU-side
 #      kernel tests (interpret mode, CUDA / TPU lowering) run in CI;
-#   2. `maskahead profile` at the Fast-dLLM-v2-7B shape (random weights): dense vs MaskAhead 10%
-#      vs Q-MaskAhead 10% (4-bit), 3 repeats, prompts 8192 (batch 1, 8, 32) and 32768 (batch 1, 8;
+#   2. `maskahead profile` at the Fast-dLLM-v2-7B shape (random weights): dense with the fused
+#      attention (GenerationConfig attention="auto": the Pallas kernels) vs MaskAhead 10% vs
+#      Q-MaskAhead 10% (4-bit), and at 8192 also the unfused XLA dense (dense@reference), 3 repeats, prompts 8192 (batch 1, 8, 32) and 32768 (batch 1, 8;
 #      batch 32 at 32k does not fit the time budget), with forward counts, decode ms per forward,
 #      tokens/s, peak device memory (memory_stats), serving capacity and the decode forward's
 #      roofline fraction (790 TFLOP/s, 4.8 TB/s; maskahead_jax/profile.py decode_roofline).
@@ -31,7 +32,7 @@ if [ "$DRY" = "1" ]; then
   timeout 180 "$PY" -m pytest -q tests/test_kernels.py -rs \
     -k "dispatch or reference or on_device or triton_float" 2>&1 | tail -8 | tee "$OUT/kernels.log"
   timeout 300 "$PY" -m maskahead_jax.profile --model maskahead_jax/testbed --prompt-len 96 --out-len 64 \
-    --batch 1,2 --policies dense,maskahead,q-maskahead --capacity 10 --repeats 1 \
+    --batch 1,2 --policies dense@reference,dense,maskahead,q-maskahead --capacity 10 --repeats 1 \
     --out "$OUT/profile_dry.json" 2>&1 | tail -20 | tee "$OUT/profile_dry.log"
   exit ${PIPESTATUS[0]}
 fi
@@ -40,12 +41,13 @@ fi
 timeout 180 "$PY" -m pytest -q tests/test_kernels.py -k "on_device or dispatch" -rfEs 2>&1 \
   | tail -40 | tee "$OUT/kernels.log"
 rc=0
-for spec in "8192 1,8,32" "32768 1,8"; do
+for spec in "8192 1,8,32 dense@reference," "32768 1,8 "; do
   set -- $spec
+  extra=${3:-}
   t=$(left)
   if [ "$t" -lt 60 ]; then echo "skip prompt $1: ${t}s left" | tee -a "$OUT/skipped.txt"; continue; fi
   timeout "$t" "$PY" -m maskahead_jax.profile --shape fast-dllm-v2-7b --prompt-len "$1" --out-len 128 \
-    --batch "$2" --policies dense,maskahead,q-maskahead --capacity 10 --repeats 3 \
+    --batch "$2" --policies "${extra}dense,maskahead,q-maskahead" --capacity 10 --repeats 3 \
     --kv-budget-gb 100 --out "$OUT/profile_$1.json" 2>&1 | tail -40 | tee "$OUT/profile_$1.log"
   rc=$(( rc | PIPESTATUS[0] ))
 done

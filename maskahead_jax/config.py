@@ -130,6 +130,10 @@ class GenerationConfig:
     max_prompt_len: prompts longer than this are an error (default: the model's max positions).
     prompt_refresh: bidirectional families: recompute the prompt K/V every N steps (0 = never).
     temperature / top_p / seed: sampling (temperature 0 = greedy).
+    attention: "auto" (Pallas kernels on GPU / TPU, the jnp reference on CPU), "reference",
+        "kernels", or one kernel backend by name ("pallas_gpu", "pallas_triton", "pallas_tpu"); see
+        maskahead_jax/kernels/attention.py.
+    attention_interpret: run the chosen Pallas kernels in interpret mode (tests, CPU debugging).
     """
 
     max_new_tokens: int = 64
@@ -146,6 +150,8 @@ class GenerationConfig:
     seed: int = 0
     stop_at_eos: bool = True
     timings: bool = False
+    attention: str = "auto"
+    attention_interpret: bool = False
 
     def resolve(self, cfg: ModelConfig) -> "ResolvedGeneration":
         bs = self.block_size or cfg.block_size
@@ -168,6 +174,7 @@ class GenerationConfig:
             max_prompt_len=self.max_prompt_len or cfg.max_position_embeddings,
             prompt_refresh=self.prompt_refresh, temperature=float(self.temperature),
             top_p=float(self.top_p), stop_at_eos=self.stop_at_eos,
+            attention=self.attention, attention_interpret=bool(self.attention_interpret),
         )
 
 
@@ -187,3 +194,5 @@ class ResolvedGeneration:
     temperature: float
     top_p: float
     stop_at_eos: bool
+    attention: str = "auto"  # as asked; the engine resolves it per backend (kernels.attention)
+    attention_interpret: bool = False

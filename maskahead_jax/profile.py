@@ -15,7 +15,12 @@ Method (same prompt replicated over the batch, fixed output length: stop at EOS 
   * decode_ms_per_forward = decode_s / (forwards of the full run - forwards of the prefill run);
   * decode_tok_s = generated tokens beyond the prefill run / decode_s;
   * peak KV = the engine's memory accounting (research/maskahead.md §4), summed over the batch;
-  * speedups = dense time / policy time, same run, same batch.
+  * speedups = dense time / policy time, same run, same batch; the baseline is the run named
+    plain "dense" (the default attention: fused kernels on a GPU / TPU).
+Attention implementations side by side: a policy written "name@impl" runs with
+GenerationConfig(attention=impl) (auto | reference | kernels | pallas_gpu | pallas_triton | ...),
+e.g. `--policies dense@reference,dense,maskahead` puts the unfused XLA dense baseline beside the
+fused one; each run records the implementation it resolved to (`attention`).
 Roofline of the decode forward (`decode_roofline`, per run when `peak_flops` / `hbm_bytes_per_s`
 are given; defaults: H200, 790 TFLOP/s realistic dense bf16, 4.8 TB/s HBM):
   * FLOPs = 2 * n * (P_layers + H * V) + 4 * n * L * Hq * D * S, n = batch * block tokens per
@@ -153,6 +158,7 @@ def profile(model, prompt_len: int, out_len: int, batch_sizes: Sequence[int],
     if not batch_sizes or any(int(b) <= 0 for b in batch_sizes):
         raise ValueError(f"batch sizes must be positive integers, got {list(batch_sizes)}")
     pols = build_policies(cfg, gen, policies, capacity, out_len, policy_kw)
+    from .kernels.attention import resolve as resolve_attention
     prompt = _prompt(cfg, prompt_len, seed)
     full = dataclasses.replace(gen, max_new_tokens=out_len, stop_at_eos=False)
     pre = dataclasses.replace(gen, max_new_tokens=bs, stop_at_eos=False)
@@ -162,11 +168,12 @@ def profile(model, prompt_len: int, out_len: int, batch_sizes: Sequence[int],
     per_row_peak = {}
     for b in batch_sizes:
         prompts = [prompt] * int(b)
-        base = None
+        batch_runs = []
         for p, pol in pols.items():
+            attn = split_attention(p)[1] or gen.attention
             try:
-                t_pre, o_pre = _timed(model, prompts, pre, pol, repeats, mesh)
-                t_e2e, o = _timed(model, prompts, full, pol, repeats, mesh)
+                t_pre, o_pre = _timed(model, prompts, dataclasses.replace(pre, attention=attn), pol, repeats, mesh)
+                t_e2e, o = _timed(model, prompts, dataclasses.replace(full, attention=attn), pol, repeats, mesh)
             except Exception as e:  # e.g. out of memory at a large batch
                 res["skipped"].append(dict(policy=p, batch=b, reason=f"{type(e).__name__}: {str(e)[:300]}"))
                 continue
@@ -175,7 +182,8 @@ def profile(model, prompt_len: int, out_len: int, batch_sizes: Sequence[int],
             tok_dec = sum(len(t) for t in o.tokens) - sum(len(t) for t in o_pre.tokens)
             dec = t_e2e - t_pre
             ok = dec > 0
-            run = dict(policy=p, batch=int(b), prefill_s=t_pre, decode_s=dec if ok else None, e2e_s=t_e2e,
+            impl = "reference" if mesh is not None and attn == "auto" else resolve_attention(attn)
+            run = dict(policy=p, batch=int(b), attention=impl, prefill_s=t_pre, decode_s=dec if ok else None, e2e_s=t_e2e,
                        forwards=st["nfe_batch"], decode_forwards=fw,
                        decode_ms_per_forward=1e3 * dec / fw if ok else None,
                        decode_tok_s=tok_dec / dec if ok else None,
@@ -193,7 +201,7 @@ def profile(model, prompt_len: int, out_len: int, batch_sizes: Sequence[int],
                 run.update(mesh=str(dict(m.shape)), kv_shards=share["shards"],
                            kv_peak_bytes_per_device=run["kv_peak_bytes"] / share["shards"])
             ctx_len = float(prompt_len + out_len / 2)
-            if p != "dense" and st.get("live_entries"):  # the kept entries per lane at the end
+            if split_attention(p)[0] != "dense" and st.get("live_entries"):  # the kept entries per lane at the end
                 ctx_len = min(ctx_len, float(np.mean(st["live_entries"])))
             roof = decode_roofline(cfg, int(b), bs, ctx_len, run["kv_final_bytes"], peak_flops, hbm_bytes_per_s)
             run.update(roofline_flops=roof["flops"], roofline_bytes=roof["bytes"], roofline_ms=1e3 * roof["roofline_s"],
@@ -206,21 +214,35 @@ def profile(model, prompt_len: int, out_len: int, batch_sizes: Sequence[int],
             except Exception:  # CPU backends may not report
                 run["peak_device_bytes"] = None
             per_row_peak[p] = max(st["kv_bytes_peak"])
-            if p == "dense":
-                base = run
             if not ok:
                 run["timing_note"] = (f"e2e time {t_e2e:.4f}s <= prefill-run time {t_pre:.4f}s: timing noise "
                                       f"(a busy machine?); decode times not reported; rerun with --repeats 3 "
                                       f"or more")
-            if base is not None:
-                run.update(speedup_decode=base["decode_s"] / dec if ok and base["decode_s"] else None,
-                           speedup_e2e=base["e2e_s"] / t_e2e, speedup_prefill=base["prefill_s"] / t_pre)
+            batch_runs.append(run)
             res["runs"].append(run)
             decode = f"{dec:.3f}s" if ok else "n/a (timing noise)"
             print(f"[profile] {p} batch={b}: prefill {t_pre:.3f}s decode {decode} e2e {t_e2e:.3f}s "
                   f"peak KV {run['kv_peak_bytes'] / 2**20:.1f} MiB", file=log, flush=True)
+        _speedups(batch_runs)
     res["serving"] = serving_capacity(per_row_peak, kv_budget_gb)
     return res
+
+
+def split_attention(label: str) -> tuple:
+    """"maskahead@reference" -> ("maskahead", "reference"); "dense" -> ("dense", None)."""
+    name, _, attn = label.partition("@")
+    return name, (attn.strip() or None)
+
+
+def _speedups(runs: list) -> None:
+    """Speedups of one batch's runs against its plain "dense" run (when it ran)."""
+    base = next((r for r in runs if r["policy"] == "dense"), None)
+    if base is None:
+        return
+    for r in runs:
+        ok = r["decode_s"] is not None and base["decode_s"]
+        r.update(speedup_decode=base["decode_s"] / r["decode_s"] if ok else None,
+                 speedup_e2e=base["e2e_s"] / r["e2e_s"], speedup_prefill=base["prefill_s"] / r["prefill_s"])
 
 
 def build_policies(cfg: ModelConfig, gen: GenerationConfig, policies: Sequence[str], capacity: Optional[float],
@@ -229,16 +251,24 @@ def build_policies(cfg: ModelConfig, gen: GenerationConfig, policies: Sequence[s
     validated against `cfg` and the resolved generation config: PolicyError before any run."""
     from .evaluation.policies import make_policy, resolve_policy_kw, run_label, takes_budget, validate_policy
 
-    per = resolve_policy_kw(policies, policy_kw)
+    from .kernels.attention import resolve as resolve_attention
+
+    names = [split_attention(p)[0] for p in policies]
+    per = resolve_policy_kw(names, policy_kw)
     resolved = dataclasses.replace(gen, max_new_tokens=out_len, stop_at_eos=False).resolve(cfg)
     pols = {}
-    for p in policies:
+    for label_in, p in zip(policies, names):
+        attn = split_attention(label_in)[1]
+        if attn is not None:
+            resolve_attention(attn)  # an unknown implementation: ValueError naming the valid ones
+        if label_in in pols:
+            raise ValueError(f"policy {label_in!r} listed twice")
         key = p.strip().lower().replace("_", "-")
         cap = capacity if takes_budget(key) else None
         label = run_label(p, cap)
         pol = make_policy(p, cap, **per[key])
         validate_policy(pol, cfg, resolved, label)
-        pols[p] = pol
+        pols[label_in] = pol
     return pols
 
 
@@ -274,7 +304,7 @@ def format_table(res: dict) -> str:
 
     def label(p):
         try:
-            budget = takes_budget(p)
+            budget = takes_budget(split_attention(p)[0])
         except Exception:
             budget = False
         return f"{p} {res['capacity_pct']:g}%" if budget and res.get("capacity_pct") is not None else p
@@ -286,7 +316,7 @@ def format_table(res: dict) -> str:
             "peak KV", "final KV", "KV reduction", "decode x", "e2e x"]
     rows = []
     for r in res.get("runs", []):
-        rows.append([label(r["policy"]), str(r["batch"]), _num(r["prefill_s"], ".3f"), _num(r["decode_s"], ".3f"),
+        rows.append([label(r["policy"]) + (f" [{r['attention']}]" if r.get("attention") else ""), str(r["batch"]), _num(r["prefill_s"], ".3f"), _num(r["decode_s"], ".3f"),
                      _num(r["e2e_s"], ".3f"), _num(r["decode_ms_per_forward"], ".1f"),
                      _num(r["decode_tok_s"], ".0f"), _num(r.get("e2e_tok_s"), ".0f"),
                      _bytes(r["kv_peak_bytes"]), _bytes(r["kv_final_bytes"]),

@@ -118,6 +118,34 @@ def test_profile_reports_no_decode_time_when_noise_exceeds_it(monkeypatch, capsy
     assert "decode n/a (timing noise)" in capsys.readouterr().err
 
 
+def test_profile_runs_attention_implementations_side_by_side(monkeypatch):
+    """"dense@reference" runs dense with GenerationConfig(attention="reference"); speedups are
+    against the plain "dense" run even when it comes later; unknown implementations are refused
+    before any run (runs faked: the attention each was asked for is recorded)."""
+    from tiny import tiny_model
+
+    model = tiny_model("fast_dllm_v2")
+    asked = []
+    times = {"reference": (0.2, 0.8), "auto": (0.2, 0.5)}
+
+    def fake_timed(model, prompts, gen, policy, repeats, mesh=None):
+        asked.append(gen.attention)
+        pre = gen.max_new_tokens <= 8
+        st = _stats(len(prompts), nfe_batch=2 if pre else 6)
+        t = times[gen.attention][0 if pre else 1]
+        return t, GenerateOutput(tokens=[[5] * gen.max_new_tokens for _ in prompts], stats=st)
+
+    monkeypatch.setattr(PR, "_timed", fake_timed)
+    res = PR.profile(model, prompt_len=16, out_len=16, batch_sizes=[1], policies=["dense@reference", "dense"])
+    assert asked == ["reference", "reference", "auto", "auto"]
+    ref, dense = res["runs"]
+    assert ref["attention"] == "reference" and dense["speedup_decode"] == 1.0
+    assert ref["speedup_decode"] == pytest.approx(0.3 / 0.6)  # decode 0.6 s vs the plain dense's 0.3 s
+    assert "dense@reference [reference]" in PR.format_table(res)
+    with pytest.raises(ValueError, match="unknown attention implementation 'flash'"):
+        PR.profile(model, prompt_len=16, out_len=16, batch_sizes=[1], policies=["dense@flash"])
+
+
 def test_timed_run_never_reports_a_negative_or_clamped_decode(monkeypatch):
     """engine/generate._timed_run: end to end <= prefill (noise) -> decode_s None + timing_note."""
     class Compiled:

@@ -96,11 +96,16 @@ def test_bench_generate_prints_json(capsys):
 
     from experiments import bench_generate
 
-    bench_generate.main(["--prompt-len", "40", "--gen-len", "8", "--policy", "maskahead"])
+    bench_generate.main(["--prompt-len", "40", "--gen-len", "8", "--policy", "maskahead",
+                         "--sweep-prompt-lens", "20,30,70,100"])
     res = json.loads(capsys.readouterr().out)
     assert res["nfe"] > 0 and res["tokens_per_s"] > 0 and res["kv_bytes_peak"] > 0
     # decode = end to end - prefill: None (with a note) when timing noise makes it non-positive
     assert res["compile_s"] > 0 and (res["decode_s"] is None or res["decode_s"] > 0)
+    assert res["trace_lower_s"] + res["xla_compile_s"] == pytest.approx(res["compile_s"])
+    # 20 and 30 share the 64-token bucket, 70 and 100 the 128 one: one program per bucket
+    assert res["sweep"]["buckets"] == 2 and res["sweep"]["core_compiles"] == 2
+    assert res["backend_compiles"] >= 2
 
 
 def test_sampling_is_seeded_and_differs_from_greedy():

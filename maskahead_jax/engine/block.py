@@ -56,21 +56,28 @@ def run_block(params, cfg, gen, policy, st: BlockState, x_init, ctx) -> BlockSta
     cache = res.cache
     segs = _segments(cache, res.selection, L)
 
-    # ---- denoising steps over the selected context
-    def cond(s):
-        x, step, _, _ = s
-        return jnp.any((x == mask_id) & active[:, None]) & (step < bs + gen.steps_per_block)
+    # ---- denoising steps over the selected context, then the commit forward: one traced
+    # forward (half of what XLA compiles per block). An iteration forwards x; while masks remain
+    # (and the step bound allows) it commits and loops, else that forward was the commit forward
+    # (the finished block's K/V, which go into the cache).
+    bound = bs + gen.steps_per_block
 
     def body(s):
-        x, step, key, nfe = s
-        key, kk = jax.random.split(key)
+        x, step, key, _, _ = s
         o = model_step(params, cfg, x, pos, full_mask(b, bs), segs)
-        return commit(x, logits_of(o.hidden), step, m0, active, gen, mask_id, kk), step + 1, key, nfe + 1
+        more = jnp.any((x == mask_id) & active[:, None]) & (step < bound)
+        key2, kk = jax.random.split(key)
+        # the logits and the commit only when a step follows (the commit forward needs neither)
+        x2 = jax.lax.cond(more, lambda: commit(x, logits_of(o.hidden), step, m0, active, gen, mask_id, kk),
+                          lambda: x)
+        return x2, step + more.astype(jnp.int32), jnp.where(more, key2, key), ~more, o
 
-    x, _, key, n_steps = jax.lax.while_loop(cond, body, (x, jnp.int32(1), key, jnp.int32(0)))
+    out_shape = jax.eval_shape(lambda: model_step(params, cfg, x, pos, full_mask(b, bs), segs))
+    zeros = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), out_shape)
+    x, step, key, _, oc = jax.lax.while_loop(lambda s: ~s[3], body, (x, jnp.int32(1), key, jnp.bool_(False), zeros))
+    n_steps = step - 1
 
-    # ---- commit forward: the finished block's K/V into the cache
-    oc = model_step(params, cfg, x, pos, full_mask(b, bs), segs)
+    # ---- the finished block's K/V into the cache
     appended = jnp.where(active, bs, 0)
     cache = cache.append(oc.k, oc.v, pos, appended)
     peak = jnp.maximum(st.peak, policy.held_bytes(cache))  # before an end-of-block eviction

@@ -50,10 +50,16 @@ def block_causal_core(params, prompt, plen, key, *, cfg, gen, policy, cache_dtyp
         evictions=jnp.int32(0))
 
     ctx = ctx._replace(capacity=cap1)
-    st = run_block(params, cfg, gen, policy, st, first_block, ctx._replace(first=True))
     mask_block = jnp.full((b, bs), mask_id, jnp.int32)
-    st = jax.lax.while_loop(lambda s: (s.blk < nblk) & ~jnp.all(s.done),
-                            lambda s: run_block(params, cfg, gen, policy, s, mask_block, ctx), st)
+    more = lambda s: (s.blk < nblk) & ~jnp.all(s.done)
+    if cap0 != cap1 or policy.first_block_special:
+        # the first block changes the cache's shape (or the policy treats it apart): run it
+        # before the loop, which then traces the block a second time
+        st = run_block(params, cfg, gen, policy, st, first_block, ctx._replace(first=True))
+        st = jax.lax.while_loop(more, lambda s: run_block(params, cfg, gen, policy, s, mask_block, ctx), st)
+    else:  # one traced block (half the compile): the first iteration opens with the prompt tail
+        st = jax.lax.while_loop(more, lambda s: run_block(
+            params, cfg, gen, policy, s, jnp.where(s.blk == 0, first_block, mask_block), ctx), st)
     c = st.cache
     return dict(out=st.out, first_pos=n_pre, nfe=st.nfe, nfe_batch=st.nfe_batch,
                 kv_bytes=policy.held_bytes(c), dense_bytes=dense_bytes(cfg, c), kv_peak=st.peak,

@@ -4,6 +4,8 @@ per (batch, prompt bucket, generation config, policy): one compile, no host sync
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import time
 import warnings
@@ -14,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..config import GenerationConfig, ModelConfig, ResolvedGeneration
+from ..kernels import attention
 from ..policies import Dense
 from ..sharding import run_sharded
 from .bidirectional import bidirectional_core
@@ -36,13 +39,40 @@ def _bucket(n: int, quantum: int) -> int:
 _CORES = {}
 
 
+def _with_attention(core):
+    """The core traced under the attention implementation its generation config asks for."""
+    @functools.wraps(core)
+    def run(params, prompt, plen, key, *, cfg, gen, policy, cache_dtype, phase: str = "all"):
+        with attention.use(gen.attention, gen.attention_interpret):
+            return core(params, prompt, plen, key, cfg=cfg, gen=gen, policy=policy,
+                        cache_dtype=cache_dtype, phase=phase)
+    return run
+
+
 def _core_fn(cfg: ModelConfig, jit: bool):
-    fn = bidirectional_core if cfg.attention == "bidirectional" else block_causal_core
-    if not jit:
-        return fn
-    if fn not in _CORES:
-        _CORES[fn] = jax.jit(fn, static_argnames=("cfg", "gen", "policy", "cache_dtype", "phase"))
-    return _CORES[fn]
+    core = bidirectional_core if cfg.attention == "bidirectional" else block_causal_core
+    if core not in _CORES:
+        fn = _with_attention(core)
+        _CORES[core] = (fn, jax.jit(fn, static_argnames=("cfg", "gen", "policy", "cache_dtype", "phase")))
+    return _CORES[core][1 if jit else 0]
+
+
+def core_compiles() -> int:
+    """Programs the jitted generate cores hold (one per traced (shape, config, policy)): a sweep
+    that buckets its prompt lengths adds one per (batch, length bucket) it visits."""
+    return sum(j._cache_size() for _, j in _CORES.values() if hasattr(j, "_cache_size"))
+
+
+def _attention_for(gen: ResolvedGeneration, mesh) -> ResolvedGeneration:
+    """Check the attention choice; "auto" under a mesh is the reference (pallas_call is not
+    partitioned by GSPMD), a kernel named explicitly under a mesh is an error."""
+    impl = attention.resolve(gen.attention)  # unknown names / no kernels here: ValueError
+    if mesh is not None and impl != "reference":
+        if gen.attention == "auto":
+            return dataclasses.replace(gen, attention="reference")
+        raise ValueError(f"attention={gen.attention!r} cannot run under a device mesh yet (the "
+                         f"Pallas kernels are not partitioned); use 'auto' or 'reference'")
+    return gen
 
 
 def _validate_prompts(prompts, cfg: ModelConfig, gen: ResolvedGeneration):
@@ -81,7 +111,7 @@ def generate(model, prompts: Sequence[Sequence[int]], config: GenerationConfig =
     params / prompts are placed by the sharding rules and the same core runs under the mesh.
     """
     cfg: ModelConfig = model.config
-    gen = config.resolve(cfg)
+    gen = _attention_for(config.resolve(cfg), mesh)
     policy = policy if policy is not None else Dense()
     policy.validate(cfg, gen)
     prompts = _validate_prompts(prompts, cfg, gen)
@@ -126,7 +156,9 @@ def _timed_run(fn, args, static):
     When timing noise makes end to end <= prefill, decode_s is None and timing_note says why
     (never a negative or clamped-to-zero time)."""
     t0 = time.perf_counter()
-    full = fn.lower(*args, **static).compile()
+    lowered = fn.lower(*args, **static)
+    lower_s = time.perf_counter() - t0
+    full = lowered.compile()
     compile_s = time.perf_counter() - t0
     pre = fn.lower(*args, phase="prefill", **static).compile()
     jax.block_until_ready(pre(*args))  # warm
@@ -136,7 +168,8 @@ def _timed_run(fn, args, static):
     t0 = time.perf_counter()
     res = jax.block_until_ready(full(*args))
     total_s = time.perf_counter() - t0
-    timings = dict(compile_s=compile_s, prefill_s=prefill_s, total_s=total_s, decode_s=total_s - prefill_s)
+    timings = dict(compile_s=compile_s, trace_lower_s=lower_s, xla_compile_s=compile_s - lower_s,
+                   prefill_s=prefill_s, total_s=total_s, decode_s=total_s - prefill_s)
     if total_s <= prefill_s:
         timings.update(decode_s=None, timing_note=(
             f"end to end {total_s:.4f}s <= prefill {prefill_s:.4f}s: timing noise (a busy machine?); "

@@ -27,17 +27,9 @@ import jax
 import jax.numpy as jnp
 
 from ..config import ModelConfig
-from ..kernels import reference as ref
-from ..kernels.dispatch import scored_attention_quant
-from ..quant import QuantKV
+from ..kernels.attention import attend
 from .layers import apply_rope, rms_norm, rope_tables, swiglu
 from .moe import moe_mlp
-
-
-# Packed (QuantKV) contexts go through kernels.dispatch.scored_attention_quant with this impl:
-# "reference" dequantizes the layer's packed K/V inside the layer body (a transient float copy,
-# the released code's path for long prefixes) on every backend; None picks the Pallas kernel.
-PACKED_ATTENTION_IMPL = "reference"
 
 
 class Context(NamedTuple):
@@ -117,17 +109,11 @@ def output_projection(p, out, cfg: ModelConfig):
 def attention_sublayer(p, x, cos, sin, cfg: ModelConfig, ctx, blk_mask, stat_rows=None):
     """The attention sub-layer of one layer (pre-norm, before the residual add).
 
+    ctx: None, or (k, v, valid) float [B, Hkv, S, Dh], or a packed QuantKV context (v None).
     Returns (output [B, T, D], the block's keys/values [B, Hkv, T, Dh] after RoPE, stats)."""
     qg, kb, vb = project_qkv(p, x, cos, sin, cfg)
-    if ctx is None:
-        out, stats = ref.attention(qg, None, None, None, kb, vb, blk_mask)
-    else:
-        kc, vc, valid = ctx
-        if isinstance(kc, QuantKV):  # packed context (cache.packed.QKVCache): dequantized in the layer body
-            out, stats = scored_attention_quant(qg, kc, valid, kb, vb, blk_mask, stat_rows,
-                                                impl=PACKED_ATTENTION_IMPL)
-        else:
-            out, stats = ref.attention(qg, kc, vc, valid, kb, vb, blk_mask, stat_rows)
+    # the implementation (reference jnp / Pallas kernels) is the trace's choice: kernels.attention
+    out, stats = attend(qg, ctx, kb, vb, blk_mask, stat_rows)
     return output_projection(p, out, cfg), kb, vb, stats
 
 

@@ -36,6 +36,11 @@ class ComposedPolicy(Policy):
     def eviction(self) -> Optional[Eviction]:
         return None
 
+    @property
+    def first_block_special(self) -> bool:
+        ev = self.eviction  # only the eviction's first-block probe / pin reads ctx.first
+        return ev is not None and (ev.first_probe is not None or ev.pin_first)
+
     # ---------------------------------------------------------------- hooks
     def plan(self, prompt_cap: int, total_cap: int, block_size: int, chunk: int = 512):
         ev = self.eviction

@@ -99,6 +99,13 @@ class Policy:
     takes_budget: ClassVar[bool] = False  # make(name, capacity_pct) applies; sweeps fan it out
     keeps_state: ClassVar[bool] = False  # memory: 10 B of eviction state per kept entry
 
+    @property
+    def first_block_special(self) -> bool:
+        """Whether on_block treats the first block apart (reads ctx.first). The engine then
+        traces the first block on its own, before the block loop; when this is False and the
+        cache keeps one capacity (plan), every block is the same traced loop body."""
+        return True
+
     def validate(self, cfg, gen) -> None:
         return None
 
@@ -147,5 +154,9 @@ class Policy:
 @dataclasses.dataclass(frozen=True)
 class Dense(Policy):
     """Full exact cache: every block reads everything; nothing is evicted."""
+
+    @property
+    def first_block_special(self) -> bool:
+        return False
 
     name = "dense"

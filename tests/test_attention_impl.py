@@ -1,0 +1,160 @@
+"""The attention entry point (kernels/attention.py) and GenerationConfig(attention=...):
+every implementation against the jnp reference, op by op and through `generate`."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import maskahead_jax as mj
+from maskahead_jax import quant
+from maskahead_jax.kernels import attention, quant_reference, reference
+from maskahead_jax.policies import make
+
+from tiny import tiny_model
+
+
+def _operands(b=2, hkv=2, g=3, t=8, s=40, d=16, seed=0, dtype=jnp.float32):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 6)
+    q = jax.random.normal(ks[0], (b, hkv, g, t, d), dtype)
+    kc = jax.random.normal(ks[1], (b, hkv, s, d), dtype)
+    vc = jax.random.normal(ks[2], (b, hkv, s, d), dtype)
+    valid = jax.random.bernoulli(ks[3], 0.7, (b, hkv, s)).at[..., 0].set(True)  # per-head holes
+    kb = jax.random.normal(ks[4], (b, hkv, t, d), dtype)
+    vb = jax.random.normal(ks[5], (b, hkv, t, d), dtype)
+    pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+    blk = pos[:, None, :] // 4 <= pos[:, :, None] // 4  # block-causal inside the block
+    rows = jnp.zeros((b, t), bool).at[:, 2:].set(True)
+    return q, kc, vc, valid, kb, vb, blk, rows
+
+
+def test_resolve_names_and_errors():
+    assert attention.resolve("auto", backend="cpu") == "reference"
+    assert attention.resolve("auto", backend="gpu") == "pallas_gpu"
+    assert attention.resolve("kernels", backend="tpu") == "pallas_tpu"
+    assert attention.resolve("pallas_tpu", backend="cpu") == "pallas_tpu"
+    with pytest.raises(ValueError, match="no kernels for the 'cpu' backend"):
+        attention.resolve("kernels", backend="cpu")
+    with pytest.raises(ValueError, match="unknown attention implementation 'flash'"):
+        attention.resolve("flash")
+
+
+def test_default_outside_any_scope_is_the_reference():
+    assert attention.current().impl == "reference"
+    with attention.use("pallas_tpu", interpret=True):
+        assert attention.current() == attention.Choice("pallas_tpu", True, False)
+    assert attention.current().impl == "reference"
+
+
+def test_fused_block_attention_matches_reference():
+    q, _, _, _, kb, vb, blk, _ = _operands()
+    want, _ = reference.attention(q, None, None, None, kb, vb, blk)
+    got = attention.fused_block_attention(q, kb, vb, blk)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("with_stats", [False, True])
+def test_attend_tpu_kernel_float_context_matches_reference(with_stats):
+    q, kc, vc, valid, kb, vb, blk, rows = _operands()
+    rows = rows if with_stats else None
+    want_out, want_stats = reference.attention(q, kc, vc, valid, kb, vb, blk, rows)
+    with attention.use("pallas_tpu", interpret=True):
+        out, stats = attention.attend(q, (kc, vc, valid), kb, vb, blk, rows)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), atol=2e-4, rtol=2e-4)
+    if with_stats:
+        np.testing.assert_allclose(np.asarray(stats.mass), np.asarray(want_stats.mass), atol=1e-5)
+        np.testing.assert_allclose(np.asarray(stats.score), np.asarray(want_stats.score), atol=1e-4)
+    else:
+        assert stats is None
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_attend_tpu_kernel_packed_context_matches_reference(bits):
+    q, kc, vc, _, kb, vb, blk, rows = _operands(s=64, d=32)
+    ctx = quant.quantize_kv(kc, vc, bits)
+    valid = jnp.ones(kc.shape[:3], bool).at[:, 1, 5:9].set(False)
+    want_out, want_stats = quant_reference.attention_quant(q, ctx, valid, kb, vb, blk, rows)
+    with attention.use("pallas_tpu", interpret=True):
+        out, stats = attention.attend(q, (ctx, None, valid), kb, vb, blk, rows)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), atol=2e-4, rtol=2e-4)
+    np.testing.assert_allclose(np.asarray(stats.mass), np.asarray(want_stats.mass), atol=1e-5)
+
+
+@pytest.mark.parametrize("policy", ["dense", "maskahead"])
+def test_generate_with_kernels_matches_reference(policy, monkeypatch):
+    """The whole engine (prefill chunks, step-0 scoring, eviction, selection, commit forwards)
+    with every attention through the TPU kernels in interpret mode: the same tokens."""
+    traced = []
+    real = attention.dispatch.scored_attention
+
+    def spy(*a, **kw):
+        traced.append((kw["impl"], a[-1] is not None if len(a) > 7 else False))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(attention.dispatch, "scored_attention", spy)
+    model = tiny_model("sdar", scale=0.5, max_position_embeddings=4000 + len(policy))  # a fresh trace
+    prompts = [list(range(1, 30)), list(range(3, 20))]
+    pol = None if policy == "dense" else make("maskahead", capacity_pct=50, capacity_floor=8,
+                                              topk_floor=4, recent=4, sinks=1)
+    base = dict(max_new_tokens=16, prefill_chunk=16, stop_at_eos=False)
+    want = mj.generate(model, prompts, mj.GenerationConfig(attention="reference", **base), pol)
+    got = mj.generate(model, prompts, mj.GenerationConfig(attention="pallas_tpu", attention_interpret=True,
+                                                          **base), pol)
+    for a, b in zip(got.tokens, want.tokens):
+        assert list(a) == list(b)
+    assert got.stats["nfe"] == want.stats["nfe"]
+    assert traced and {i for i, _ in traced} == {"pallas_tpu"}  # the kernel path was traced
+    if policy == "maskahead":
+        assert any(stats for _, stats in traced)  # step-0 scoring through the kernel's pass 2
+
+
+def test_generate_auto_on_cpu_is_the_reference_and_kernels_is_an_error():
+    model = tiny_model("sdar")
+    gen = dict(max_new_tokens=8, stop_at_eos=False)
+    a = mj.generate(model, [[1, 2, 3]], mj.GenerationConfig(**gen))
+    b = mj.generate(model, [[1, 2, 3]], mj.GenerationConfig(attention="reference", **gen))
+    assert list(a.tokens[0]) == list(b.tokens[0])
+    with pytest.raises(ValueError, match="no kernels for the 'cpu' backend"):
+        mj.generate(model, [[1, 2, 3]], mj.GenerationConfig(attention="kernels", **gen))
+
+
+def test_generate_q_maskahead_with_packed_kernels_matches_reference():
+    """Q-MaskAhead's packed int4 cache read by the kernel (codes dequantized tile by tile)."""
+    model = tiny_model("sdar", scale=0.5, head_dim=32, block_size=32, max_position_embeddings=4093)
+    prompts = [list(range(1, 40)) * 2, list(range(3, 40))]
+    pol = make("q-maskahead", capacity_pct=50, capacity_floor=32, topk_floor=8, recent=8, sinks=1)
+    base = dict(max_new_tokens=32, prefill_chunk=32, stop_at_eos=False)
+    want = mj.generate(model, prompts, mj.GenerationConfig(attention="reference", **base), pol)
+    got = mj.generate(model, prompts, mj.GenerationConfig(attention="pallas_tpu", attention_interpret=True,
+                                                          **base), pol)
+    for a, b in zip(got.tokens, want.tokens):
+        assert list(a) == list(b)
+    assert got.stats["kv_bytes_final"] == want.stats["kv_bytes_final"]
+    assert got.stats["evictions"] == want.stats["evictions"] > 0
+
+
+@pytest.mark.parametrize("policy", ["dense", "maskkv"])
+def test_generate_bidirectional_with_kernels_matches_reference(policy):
+    """Dream-style: the full [prompt | response] forward through dot_product_attention (no
+    context), the response steps and MaskKV's vote over the prompt cache through the kernel."""
+    model = tiny_model("dream", scale=0.5, max_position_embeddings=4090 + len(policy))
+    prompts = [list(range(1, 30)), list(range(3, 20))]
+    pol = None if policy == "dense" else make("maskkv", kv_entries=8)
+    base = dict(max_new_tokens=16, block_size=8, stop_at_eos=False)
+    want = mj.generate(model, prompts, mj.GenerationConfig(attention="reference", **base), pol)
+    got = mj.generate(model, prompts, mj.GenerationConfig(attention="pallas_tpu", attention_interpret=True,
+                                                          **base), pol)
+    for a, b in zip(got.tokens, want.tokens):
+        assert list(a) == list(b)
+
+
+def test_a_named_kernel_under_a_mesh_is_refused():
+    from maskahead_jax.config import ResolvedGeneration
+    from maskahead_jax.engine.generate import _attention_for
+    gen = mj.GenerationConfig(attention="auto").resolve(tiny_model("sdar").config)
+    assert _attention_for(gen, mesh=object()).attention in ("reference", "auto")
+    named = mj.GenerationConfig(attention="pallas_tpu").resolve(tiny_model("sdar").config)
+    assert isinstance(named, ResolvedGeneration)
+    with pytest.raises(ValueError, match="cannot run under a device mesh"):
+        _attention_for(named, mesh=object())
