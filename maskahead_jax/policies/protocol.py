@@ -28,6 +28,8 @@ A policy is a frozen, hashable dataclass (a static jit argument). The engine
   held_bytes(cache)                      [B] bytes this policy holds (memory stats)
   budget_note(prompt_lens)               a warning when a floor, not the requested budget,
                                          sets what is kept for these prompts (or None)
+  first_block_special                    (property) on_block reads ctx.first: the engine traces
+                                         the first block apart (default True; Dense: False)
 
 `Policy` below implements every hook as the exact full cache does (nothing selected, nothing
 evicted), so a policy overrides only what it changes. Most policies are compositions of a
