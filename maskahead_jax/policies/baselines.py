@@ -20,7 +20,8 @@ MaskAhead (and DapQ, a lookahead variant) defer to the next block's step 0. The 
   snapkv     SnapKV, prompt-only: at the final prefill chunk, after it is admitted, the last
              `window` (32) prompt queries vote over the whole prompt, scores max-pooled over
              `pool` (5) neighbouring positions; the window and 4 sinks are kept; no later
-             evictions
+             evictions. On bidirectional families (`on_prompt`): the same vote at the
+             first step, from the full pass's window queries, the prompt cut once
   herald     HERALD-like: the selection ranks by the mass of the single masked query closest to
              the block centre (mass only, as released configs/herald.yaml); no eviction (so no
              budget)
@@ -29,6 +30,8 @@ from __future__ import annotations
 
 import dataclasses
 from typing import ClassVar
+
+import jax.numpy as jnp
 
 from .composed import ComposedPolicy
 from .eviction import Eviction, ForcedKeeps, budget_of, check_budget
@@ -154,6 +157,23 @@ class SnapKV(SelectKnobs, ComposedPolicy):
     def eviction(self) -> Eviction:
         return Eviction(budget_of(self), PooledVote(self.pool), ForcedKeeps(self.sinks, self.window),
                         probe=PromptWindow(self.window), timing="end_of_block", admit_final_first=True)
+
+    def on_prompt(self, cache, vote, plen):
+        """Bidirectional families (LLaDA, Dream; the MaskKV paper's SnapKV baseline): at the
+        first step the prompt's last `window` queries vote over the prompt (vote(window): their
+        attention in the full pass, one softmax over [prompt | response]), scores max-pooled
+        over `pool` neighbours outside the window; each lane keeps the window, the first `sinks`
+        positions and the top rest, C(prompt length) entries in all (capacity_pct / floor, or
+        capacity_entries). No later eviction: the engine never refreshes a compressed prompt."""
+        from .maskkv import window_mask, window_scores
+
+        budget = budget_of(self)
+        n = cache.capacity
+        mass = vote(self.window)[..., :n]
+        forced = window_mask(cache.valid, plen, self.window) | (cache.valid & (cache.pos < self.sinks))
+        scores = jnp.where(forced, jnp.inf, window_scores(mass, cache.valid, forced, self.pool))
+        cap = min(n, budget.capacity(n))  # C is monotone in the prompt length: every row fits
+        return cache.keep_top(scores, jnp.minimum(cache.length, budget.capacity(plen)), cap)
 
     def validate(self, cfg, gen) -> None:
         self.check_selector()

@@ -132,14 +132,20 @@ def layer_budgets(total, importance, beta: float = 0.4, boundary=None, exact_tot
 
 
 def pyramid_budgets(total_per_head, num_layers: int, pyramid_beta: float = 20.0,
-                    exact_total: bool = True):
+                    exact_total: bool = True, max_len=None):
     """PyramidKV: k_l = max - l (max - min) / (L - 1), min = B / beta, max = 2B - min (AdaKV's
-    implementation, research/maskkv.md §4). total_per_head: B (int or [B_rows] array)."""
-    xp = _xp(total_per_head)
+    implementation, research/maskkv.md §4). total_per_head: B (int or [B_rows] array). max_len
+    (int or [B_rows]): as AdaKV's, a max above the selectable length becomes that length and
+    min = 2B - max, so the layers still spend L * B (when it fits)."""
+    xp = _xp(total_per_head, max_len)
     b = xp.asarray(total_per_head).astype(xp.float32 if xp is jnp else np.float64)
     L = num_layers
     lo = b / pyramid_beta
     hi = 2 * b - lo
+    if max_len is not None:
+        over = hi >= xp.asarray(max_len)
+        hi = xp.where(over, xp.asarray(max_len).astype(hi.dtype), hi)
+        lo = xp.where(over, 2 * b - hi, lo)
     step = (hi - lo) / max(L - 1, 1)
     l = np.arange(L, dtype=np.float64).reshape((L,) + (1,) * b.ndim)
     x = hi - l * step if L > 1 else b * xp.ones((1,) + b.shape)
@@ -174,12 +180,18 @@ def head_budgets(layer_budget, preference, alpha: float = 0.1, max_len=None, exa
 def adakv_head_budgets(layer_budget, scores, valid, floor_alpha: float = 0.2, max_len=None):
     """AdaKV: per layer N_h * k_l slots; floor(floor_alpha * k_l) per head, the remaining
     N_h * (k_l - floor) to the heads holding the layer's global top scores (flattened over heads
-    and tokens). layer_budget [...], scores/valid [..., N_h, S]. Returns [..., N_h]."""
+    and tokens), a head taking at most its valid entries. layer_budget [...], scores/valid
+    [..., N_h, S]. Returns [..., N_h]. (Released AdaKV: round(count * (1 - floor_alpha) + floor)
+    with count from the global top N_h * k_l, which need not sum to N_h * k_l; ours does.)"""
     xp = _xp(layer_budget, scores)
     kl = xp.asarray(layer_budget)
     nh, s = scores.shape[-2:]
     fl = _floor(xp, floor_alpha * kl)
     rest = nh * (kl - fl)
+    # a head can take no more than its valid entries: only its top (valid - floor) compete
+    kw = {"kind": "stable"} if xp is np else {}
+    in_head = xp.argsort(xp.argsort(-xp.where(valid, scores, -np.inf), axis=-1, **kw), axis=-1, **kw)
+    valid = valid & (in_head < (valid.sum(-1) - fl[..., None])[..., None])
     flat = xp.where(valid, scores, -np.inf).reshape(scores.shape[:-2] + (nh * s,))
     order = xp.argsort(-flat, axis=-1, **({"kind": "stable"} if xp is np else {}))
     rank = xp.argsort(order, axis=-1, **({"kind": "stable"} if xp is np else {}))
@@ -367,7 +379,12 @@ class MaskKV(Policy):
         forced = window_mask(cache.valid, plen, w)
         scores = window_scores(mass, cache.valid, forced, self.pool)
         # the prefix outside the window gets B - w per head on average (AdaKV: base_capacity - window)
-        kl = self.layer_budgets(jnp.maximum(b - w, 0), cache.valid.shape[0])  # [L, B]
+        n_rest = jnp.maximum(plen - w, 0)
+        if self.layer_alloc == "pyramid":
+            kl = pyramid_budgets(jnp.maximum(b - w, 0), cache.valid.shape[0], self.pyramid_beta,
+                                 self.exact_total, max_len=n_rest)
+        else:
+            kl = self.layer_budgets(jnp.maximum(b - w, 0), cache.valid.shape[0])  # [L, B]
         valid_rest = cache.valid & ~forced
         finite = jnp.where(valid_rest, scores, 0.0)
         if self.head_alloc == "preference":
@@ -377,7 +394,6 @@ class MaskKV(Policy):
             k = adakv_head_budgets(kl, finite, valid_rest, self.adakv_floor)
         else:
             k = jnp.broadcast_to(kl[..., None], kl.shape + (cache.valid.shape[2],))
-        n_rest = jnp.maximum(plen - w, 0)
         counts = jnp.clip(k, 0, n_rest[None, :, None]) + forced.sum(-1)
         return cache.keep_top(jnp.where(forced, jnp.inf, scores), jnp.minimum(counts, capacity).astype(jnp.int32),
                               capacity)
