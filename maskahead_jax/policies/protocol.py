@@ -17,7 +17,8 @@ A policy is a frozen, hashable dataclass (a static jit argument). The engine
   due_after_prefill(cache)               [B] a compression is due at the first block's step 0
   on_block(cache, ctx) -> BlockResult    at step 0 of every block: update state, choose what the
                                          block reads, evict when `ctx.due`, with probes it builds
-                                         itself through `ctx.forward`
+                                         itself through `ctx.forward` (ctx.block_kv: the block's
+                                         own step-0 K/V, for a joint-softmax vote: MaskKV)
   after_commit(cache, ctx) -> (cache, evicted)  after the commit forward's append (baselines
                                          that evict at the end of a block)
   due_after_block(blocks_done, cache)    [B] a compression is due at the next block's step 0
