@@ -285,3 +285,11 @@ def test_pyramid_clamp_as_adakv():
     assert pyramid_budgets(64, 4, 20.0, exact_total=False, max_len=100).tolist() == [100, 76, 52, 28]
     k = pyramid_budgets(jnp.asarray([8, 8]), 3, max_len=jnp.asarray([54, 13]))
     assert np.asarray(k).T.tolist() == [[16, 8, 0], [13, 8, 3]]  # each row spends L * B = 24
+
+
+def test_percent_budget_is_exact_at_integers_under_jit():
+    # 5% of 1000 is 50 (float32 under jit computed 49.99999 -> 49 with an absolute guard)
+    f = jax.jit(lambda n: MaskKV(budget_pct=5.0).per_head_budget(n))
+    assert np.asarray(f(jnp.asarray([1000, 2000, 999, 20]))).tolist() == [50, 100, 49, 1]
+    f = jax.jit(lambda n: MaskKV(budget_pct=30.0).per_head_budget(n))
+    assert np.asarray(f(jnp.asarray([70, 45]))).tolist() == [21, 13]

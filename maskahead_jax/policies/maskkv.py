@@ -299,8 +299,10 @@ class MaskKV(Policy):
                 jnp.full(plen.shape, int(self.budget_per_head), jnp.int32)
         if isinstance(plen, int):
             return max(1, int(self.budget_pct * plen // 100))
-        return jnp.maximum(jnp.floor(self.budget_pct * plen.astype(jnp.float32) / 100.0 + 1e-6), 1
-                           ).astype(jnp.int32)
+        # a relative guard: float32 (and XLA's x / 100 -> x * 0.01) can land a few ulps below an
+        # exact integer (5% of 1000 -> 49.99999), an absolute 1e-6 cannot catch that above ~10
+        x = self.budget_pct * plen.astype(jnp.float32) / 100.0
+        return jnp.maximum(jnp.floor(x * (1.0 + 1e-6) + 1e-6), 1).astype(jnp.int32)
 
     def window_size(self, b_head):
         """Window entries per lane kept inside the budget B: min(window, B) (0 for mask voting)."""
