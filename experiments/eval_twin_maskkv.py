@@ -4,7 +4,8 @@ KV pairs per head or at a share of the prompt, through the library's evaluation 
 `maskahead eval` gives every policy its budget as a percentage (--capacity); the absolute budget
 (`kv_entries`, policies.make's knob: budget_per_head for MaskKV / PyramidKV / AdaKV,
 capacity_entries for SnapKV) is not a CLI flag, hence this driver. At a percentage, SnapKV's
-released 512-entry floor is set to 0 so that every policy keeps the same share.
+released 512-entry floor is lowered to 36 (its window + sinks, the least it accepts) so that every
+policy keeps the same share of a 2048-token prompt (5%: 102 entries).
 
   python experiments/eval_twin_maskkv.py --entries 256 --lengths 2048 --n 4 --out runs/twin_maskkv_256
   python experiments/eval_twin_maskkv.py --pct 5 --lengths 2048 --n 4 --out runs/twin_maskkv_5pct
@@ -45,7 +46,7 @@ def main(argv=None):
             return make_policy(name, None)
         if args.entries:
             return make_policy(name, None, kv_entries=args.entries)
-        return make_policy(name, cap, **({"capacity_floor": 0} if name == "snapkv" else {}))
+        return make_policy(name, cap, **({"capacity_floor": 36} if name == "snapkv" else {}))
 
     caps = [None] if args.entries else [args.pct]
     res = run_sweep(model, exs, policies, caps, args.out, tok, gen=GenerationConfig(),

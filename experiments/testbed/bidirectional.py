@@ -341,6 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default=None, help="export folder (default RUN_DIR/export)")
     ap.add_argument("--minutes", type=float, default=60.0, help="training minutes over all runs together")
     ap.add_argument("--steps", type=int, default=2000, help="schedule length (cosine end); training stops at it")
+    ap.add_argument("--stop-at", type=int, default=None,
+                    help="stop at this step (before --steps / --minutes): replays a time-limited run exactly")
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="LENGTH:G:ROWS,... cycled step by step")
@@ -385,7 +387,8 @@ def main(argv=None):
     t_ckpt = t_eval = time.perf_counter()
     seen = 0
     log = []
-    while step < args.steps and trained < args.minutes * 60:
+    stop = min(args.steps, args.stop_at or args.steps)
+    while step < stop and trained < args.minutes * 60:
         shape = shapes[step % len(shapes)]
         t0 = time.perf_counter()
         batch = make_batch(step, args.seed, shape, tok, args.answer_weight, args.pad_weight, args.semi_ar,
