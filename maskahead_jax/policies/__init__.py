@@ -9,7 +9,7 @@ scorers.py, a probe from probes.py) through composed.py. `make(name, capacity_pc
 from .protocol import BlockResult, Dense, Policy, PolicyError, StepContext
 from .registry import knobs, make, names, register, takes_budget
 from .composed import ComposedPolicy
-from .maskahead import BoundedPrefillMaskAhead, DapQ, MaskAhead
+from .maskahead import BoundedPrefillMaskAhead, DapQ, MaskAhead, QuestionAwareMaskAhead
 from .qmaskahead import QMaskAhead
 from .baselines import CAOTE, H2O, HERALD, BoundedPrefillStreamingLLM, SnapKV, StreamingLLM
 from .expected_attention import ExpectedAttention
@@ -21,6 +21,7 @@ register("maskahead", MaskAhead)
 register("maskahead-noevict", MaskAhead, evict_ranking="none")
 register("mage", MaskAhead, select_ranking="mass", evict_ranking="none")
 register("maskahead-bounded", BoundedPrefillMaskAhead)
+register("maskahead-qa", QuestionAwareMaskAhead)
 register("q-maskahead", QMaskAhead)
 register("bitsieve-v1", QMaskAhead, select_ranking="mass", evict_ranking="none")
 register("streaming", StreamingLLM)

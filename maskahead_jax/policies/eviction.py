@@ -17,7 +17,8 @@ ranks by, and which probe informs the ranking (research/maskahead.md §3, §6).
                   blocks right after the commit forward's append (`after_commit`);
                   probe: the block probe (Lookahead, DapQ, PromptWindow or None);
                   first_probe: replaces it at the first block (the question probe), and
-                  pin_first pins the question span there;
+                  pin_first pins the question span there; pin_probe pins `probe`'s span
+                  (its .span) at every block eviction;
                   bounded_prefill: also evict after every stored prefill chunk, ranked with
                   prefill_probe (or without a probe), pinning its span when pin_prefill.
                 A scorer with state observes every block's step-0 statistics and, when it
@@ -114,6 +115,7 @@ class Eviction:
     interval_blocks: int = 0  # 0: only after the prompt
     first_probe: Any = None  # replaces `probe` at the first block
     pin_first: bool = False
+    pin_probe: bool = False  # pin probe.span(...) at every block eviction
     bounded_prefill: bool = False  # also evict after every stored prefill chunk
     prefill_probe: Any = None  # its probe (None: rank without one, e.g. by position)
     pin_prefill: bool = False  # keep prefill_probe's span (the question)
@@ -172,7 +174,8 @@ class Eviction:
         rows = ctx.due & ctx.active
         do = jnp.any(rows)
         probe = self.first_probe if (ctx.first and self.first_probe is not None) else self.probe
-        pin = ctx.first and self.first_probe is not None and self.pin_first
+        pin = (ctx.first and self.first_probe is not None and self.pin_first) or (
+            self.pin_probe and probe is self.probe and probe is not None)
 
         def evict(c):
             pm = probe.mass(c, ctx) if probe is not None else None
@@ -180,7 +183,8 @@ class Eviction:
             return self.compact(c, ctx.mass, pm, rows, ctx.capacity, pinned)
 
         cache = jax.lax.cond(do, evict, lambda c: c.resize(ctx.capacity), cache)
-        return cache, do, do.astype(jnp.int32) * int(probe is not None)
+        n_fwd = 0 if probe is None else getattr(probe, "forwards", 1)
+        return cache, do, do.astype(jnp.int32) * n_fwd
 
     def after_commit(self, cache, ctx: StepContext):
         """end_of_block timing: after every interval_blocks-th block's append, rows over C(seen)

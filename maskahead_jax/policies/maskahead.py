@@ -18,6 +18,10 @@ lookahead_blocks - 1 mask blocks after the prompt, in place of the step-0 block 
 lookahead (the step-0 mass is still added); pin_question keeps that span. Bounded prefill
 (below) always probes this way, after every prefill chunk.
 
+Question-aware MaskAhead (ours, `maskahead-qa`, docs/results.md "Beyond the paper"): the question
+probe at every eviction (QuestionLookahead: the lookahead's mass plus the question's own), the
+question span pinned at every eviction, and bounded prefill with the question probe.
+
 The knobs are the released code's (SelectorConfig / EvictionConfig); `selector` and `eviction`
 compose them into the parts the engine runs (policies/composed.py).
 """
@@ -28,7 +32,7 @@ from typing import Optional
 
 from .composed import ComposedPolicy
 from .eviction import Budget, Eviction, ForcedKeeps, budget_of, check_budget
-from .probes import FILLS, DapQ as DapQProbe, Lookahead, Question
+from .probes import FILLS, DapQ as DapQProbe, Lookahead, Question, QuestionLookahead
 from .protocol import PolicyError
 from .scorers import MassScore, ProbeMass, ValueScore
 from .selection import Selector
@@ -143,6 +147,51 @@ class BoundedPrefillMaskAhead(MaskAhead):
     def check_question(self) -> None:
         if self.question_tokens <= 0:
             raise PolicyError(f"question_tokens must be positive, got {self.question_tokens}")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuestionAwareMaskAhead(MaskAhead):
+    """MaskAhead whose every eviction keeps what the question asks for (ours).
+
+    question_every   True: every block eviction ranks by step-0 mass + lookahead mass +
+                     question_weight x the question's mass (probes.QuestionLookahead), and
+                     pin_question pins the question span at every one of them; False: only the
+                     first eviction probes (and pins) the question (MaskAhead(question_tokens=N))
+    bounded_prefill  also evict after every prefill chunk, scored by the question probe
+                     (BoundedPrefillMaskAhead's), so the peak stays near C + one chunk
+    question_weight  the question mass's weight (0: lookahead_blocks, Question's scaling)
+    """
+
+    name = "maskahead-qa"
+    question_tokens: int = 128
+    pin_question: bool = True
+    question_every: bool = True
+    bounded_prefill: bool = True
+    question_weight: float = 0.0
+
+    @property
+    def eviction(self) -> Optional[Eviction]:
+        ev = super().eviction  # question_every=False: the first-eviction question probe
+        if ev is None or self.question_tokens <= 0:
+            return ev
+        m = self.lookahead_blocks
+        if self.question_every:
+            w = self.question_weight or float(m)
+            ev = dataclasses.replace(ev, probe=QuestionLookahead(self.question_tokens, m, w),
+                                     first_probe=None, pin_first=False, pin_probe=self.pin_question)
+        if self.bounded_prefill:
+            ev = dataclasses.replace(ev, bounded_prefill=True, prefill_probe=Question(self.question_tokens, m),
+                                     pin_prefill=self.pin_question)
+        return ev
+
+    def check_question(self) -> None:
+        if self.question_tokens <= 0:
+            raise PolicyError(f"question_tokens must be positive, got {self.question_tokens}")
+        if self.lookahead_blocks < 2:
+            raise PolicyError(f"{self.name} needs the lookahead probe: lookahead_blocks >= 2, "
+                              f"got {self.lookahead_blocks}")
+        if self.question_weight < 0:
+            raise PolicyError(f"question_weight must be >= 0, got {self.question_weight}")
 
 
 @dataclasses.dataclass(frozen=True)

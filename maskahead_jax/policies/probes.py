@@ -18,6 +18,10 @@ pre-eviction cache, and returns the pooled attention mass [L, B, Hkv, N]. Each c
   Question(tokens, blocks)  ours (docs/results.md §2d): the prompt's last `tokens` tokens at their
                         real positions plus blocks - 1 mask blocks after the prompt, all attending
                         to each other; scaled by `blocks` (the lookahead's weighting)
+  QuestionLookahead(tokens, blocks, weight)  ours (docs/results.md "Beyond the paper"): at any
+                        block, Lookahead(blocks)'s mass plus `weight` x the mass of the question
+                        alone (the prompt's last `tokens` tokens at their real positions, attending
+                        to each other and to the cache); two forwards. Its span is the question's.
 """
 from __future__ import annotations
 
@@ -128,5 +132,34 @@ class Question:
         return ctx.forward(cache, toks, pos, _full(b, toks.shape[1]), jnp.ones(toks.shape, bool)) * m
 
     def span(self, cache, ctx: StepContext) -> jax.Array:
-        """[L, B, Hkv, N] the question's cache entries (the prompt's last `tokens` positions)."""
-        return cache.pos >= (ctx.plen - self.tokens)[None, :, None, None]
+        """[L, B, Hkv, N] the question's cache entries (the prompt's last `tokens` positions;
+        not the generated ones after it)."""
+        plen = ctx.plen[None, :, None, None]
+        return (cache.pos >= plen - self.tokens) & (cache.pos < plen)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuestionLookahead:
+    """The question probe at every eviction (ours): what the next blocks' masks ask for
+    (Lookahead) plus what the question asks for, so entries the answer needs later survive the
+    evictions made while writing its first items."""
+
+    tokens: int = 128
+    blocks: int = 4
+    weight: float = 4.0
+    forwards: int = 2  # probe forwards per eviction (the engine's count)
+
+    def question_mass(self, cache, ctx: StepContext) -> jax.Array:
+        """[L, B, Hkv, N] the mass of the question's own queries (no mask blocks)."""
+        plen, q = ctx.plen, self.tokens
+        b = plen.shape[0]
+        qpos = jnp.maximum(plen[:, None] - q + jnp.arange(q)[None], 0).astype(jnp.int32)
+        qtok = jnp.take_along_axis(ctx.prompt, qpos, axis=1)
+        rows = jnp.broadcast_to(ctx.active[:, None], (b, q))
+        return ctx.forward(cache, qtok, qpos, _full(b, q), rows)
+
+    def mass(self, cache, ctx: StepContext) -> jax.Array:
+        return Lookahead(self.blocks).mass(cache, ctx) + self.weight * self.question_mass(cache, ctx)
+
+    def span(self, cache, ctx: StepContext) -> jax.Array:
+        return Question(self.tokens, self.blocks).span(cache, ctx)

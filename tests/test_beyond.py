@@ -1,0 +1,170 @@
+"""Question-aware MaskAhead (`maskahead-qa`, docs/results.md "Beyond the paper"): the question
+probe at every eviction, checked against a direct computation of what it forwards and how it
+ranks; through generate: exact at full budget, every block eviction pins the question and keeps
+the top entries by a numpy ranking, memory bounded; bad settings are clear errors."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from maskahead_jax.config import GenerationConfig
+from maskahead_jax.generate import generate
+from maskahead_jax.policies import MaskAhead, PolicyError, QuestionAwareMaskAhead, StepContext, make
+from maskahead_jax.policies.eviction import Eviction
+from maskahead_jax.policies.probes import Lookahead, Question, QuestionLookahead
+from tiny import tiny_model
+
+FULL = dict(capacity_pct=100, capacity_floor=4096, topk_pct=100, topk_floor=4096, dense_layers=1)
+SMALL = dict(capacity_pct=10, capacity_floor=24, topk_pct=5, topk_floor=16, dense_layers=1, sinks=2,
+             recent=8, interval_blocks=2, lookahead_blocks=3)
+
+
+def _prompts(lens=(150, 97), seed=3):
+    rng = np.random.RandomState(seed)
+    return [list(map(int, rng.randint(0, 40, size=n))) for n in lens]
+
+
+def test_question_lookahead_probe_is_lookahead_plus_weighted_question_mass():
+    """The probe's forwards, by hand: the lookahead's [block | masks] and the question's own
+    tokens at their real positions, mutually visible; mass = lookahead + weight * question."""
+    calls = []
+    L, B, H, N = 2, 2, 1, 12
+
+    def forward(cache, toks, pos, mask, rows):
+        calls.append(tuple(np.asarray(a) for a in (toks, pos, mask, rows)))
+        # a deterministic mass that depends on what was forwarded
+        base = np.asarray(toks).sum(1) + 3 * np.asarray(pos).sum(1) + np.asarray(rows).sum(1)
+        return jnp.asarray(np.broadcast_to((base[None, :, None, None] + np.arange(N)) % 17, (L, B, H, N)),
+                           jnp.float32)
+
+    prompt = jnp.asarray(np.arange(40).reshape(2, 20) + 100, jnp.int32)
+    plen = jnp.asarray([20, 13], jnp.int32)
+    ctx = StepContext(forward=forward, prompt=prompt, plen=plen, n_pre=jnp.asarray([16, 8]), block_size=4,
+                      mask_id=3, capacity=N, active=jnp.asarray([True, True]),
+                      tokens=jnp.full((2, 4), 3, jnp.int32), start=jnp.asarray([24, 16], jnp.int32))
+    probe = QuestionLookahead(tokens=5, blocks=3, weight=2.5)
+    got = np.asarray(probe.mass(None, ctx))
+    assert len(calls) == 2
+    calls_la = calls[0]
+    la = np.asarray(Lookahead(3).mass(None, ctx))  # the same lookahead forward, again
+    assert all(np.array_equal(a, b) for a, b in zip(calls[2], calls_la))
+    toks, pos, mask, rows = calls[1]
+    for b, p in enumerate((20, 13)):  # the prompt's last 5 tokens at their own positions
+        assert pos[b].tolist() == list(range(p - 5, p))
+        assert toks[b].tolist() == [100 + 20 * b + i for i in range(p - 5, p)]
+    assert mask.all() and rows.all() and mask.shape == (2, 5, 5)
+    base = toks.sum(1) + 3 * pos.sum(1) + rows.sum(1)
+    q = (base[None, :, None, None] + np.arange(N)) % 17
+    np.testing.assert_allclose(got, la + 2.5 * q, rtol=1e-6)
+    assert probe.forwards == 2
+
+
+def test_policy_parts_and_knobs():
+    ev = QuestionAwareMaskAhead(**SMALL).eviction
+    assert ev.probe == QuestionLookahead(128, 3, 3.0) and ev.pin_probe and ev.first_probe is None
+    assert ev.bounded_prefill and ev.prefill_probe == Question(128, 3) and ev.pin_prefill
+    assert not QuestionAwareMaskAhead(**SMALL).first_block_special
+    # question_every=False, bounded_prefill=False is the released schedule + first-eviction question
+    first = QuestionAwareMaskAhead(**SMALL, question_tokens=16, question_every=False, bounded_prefill=False)
+    assert first.eviction == MaskAhead(**SMALL, question_tokens=16, pin_question=True).eviction
+    assert make("maskahead-qa", 10, question_weight=1.5).eviction.probe.weight == 1.5
+
+
+def test_full_budget_equals_dense():
+    m = tiny_model("sdar", num_layers=3)
+    prompts = _prompts()
+    gc = GenerationConfig(max_new_tokens=40, prefill_chunk=32, stop_at_eos=False)
+    dense = generate(m, prompts, gc)
+    out = generate(m, prompts, gc, policy=QuestionAwareMaskAhead(**FULL, question_tokens=16))
+    assert out.tokens == dense.tokens
+
+
+def _value_ranking_keeps(rec) -> dict:
+    """numpy: per lane, the `keep` valid entries with the highest A_i * ||v_i - c|| (forced and
+    pinned first), A = mass0 + probe, c = sum A v / sum A."""
+    pos, valid, v, a, forced, keep = rec
+    out = {}
+    for l, b, h in np.ndindex(*pos.shape[:3]):
+        ai, vi = a[l, b, h].astype(np.float64), v[l, b, h].astype(np.float64)
+        c = (ai[:, None] * vi).sum(0) / max(ai.sum(), 1e-30)
+        s = ai * np.linalg.norm(vi - c, axis=-1)
+        s = np.where(forced[l, b, h], np.inf, s)
+        s = np.where(valid[l, b, h], s, -np.inf)
+        order = np.argsort(-s, kind="stable")[: int(keep[b])]
+        out[(l, b, h)] = sorted(int(pos[l, b, h, i]) for i in order)
+    return out
+
+
+def test_every_eviction_pins_the_question_and_keeps_the_value_ranking():
+    m = tiny_model("sdar", num_layers=3)
+    prompts = _prompts()
+    gc = GenerationConfig(max_new_tokens=48, prefill_chunk=32, stop_at_eos=False)
+    calls = []
+
+    @dataclasses.dataclass(frozen=True)
+    class RecordingEviction(Eviction):
+        def evict(self, cache, mass0, probe_mass, keep, capacity, pinned=None):
+            out = super().evict(cache, mass0, probe_mass, keep, capacity, pinned=pinned)
+            forced = np.asarray(self.keeps.mask(cache)) | (np.asarray(pinned) & np.asarray(cache.valid)
+                                                           if pinned is not None else False)
+            a = np.asarray(probe_mass if mass0 is None else mass0 + probe_mass, np.float64)
+            rec = (np.asarray(cache.pos), np.asarray(cache.valid), np.asarray(cache.values(), np.float64),
+                   a, forced, np.asarray(keep))
+            kept = {}
+            pos, val = np.asarray(out.pos), np.asarray(out.valid)
+            for l, b, h in np.ndindex(*pos.shape[:3]):
+                kept[(l, b, h)] = sorted(int(p) for p in pos[l, b, h][val[l, b, h]])
+            calls.append((pinned is not None, rec, kept))
+            return out
+
+    @dataclasses.dataclass(frozen=True)
+    class Recording(QuestionAwareMaskAhead):
+        @property
+        def eviction(self):
+            ev = super().eviction
+            return RecordingEviction(**{f.name: getattr(ev, f.name) for f in dataclasses.fields(ev)})
+
+    q = 12
+    for bounded in (False, True):
+        calls.clear()
+        pol = Recording(**SMALL, question_tokens=q, bounded_prefill=bounded)
+        with jax.disable_jit():  # eager: each eviction runs once, in order
+            out = generate(m, prompts, gc, policy=pol, jit=False)
+        assert len(calls) >= 3 and all(p for p, _, _ in calls)  # every eviction pins the question
+        for pinned, rec, kept in calls:
+            assert kept == _value_ranking_keeps(rec)
+            pos, valid = rec[0], rec[1]
+            for (l, b, h), k in kept.items():
+                span = {int(p) for p in pos[l, b, h][valid[l, b, h]] if (150, 97)[b] - q <= p < (150, 97)[b]}
+                assert span <= set(k)
+        assert out.stats["evictions"] >= 2
+        assert min(out.stats["reduction_final"]) > 1.0
+
+
+def test_bounded_prefill_bounds_the_peak():
+    m = tiny_model("sdar", num_layers=3)
+    prompts = _prompts()
+    gc = GenerationConfig(max_new_tokens=32, prefill_chunk=32, stop_at_eos=False)
+    qa = generate(m, prompts, gc, policy=QuestionAwareMaskAhead(**SMALL, question_tokens=12))
+    released_schedule = generate(m, prompts, gc, policy=QuestionAwareMaskAhead(**SMALL, question_tokens=12,
+                                                                               bounded_prefill=False))
+    plain = generate(m, prompts, gc, policy=MaskAhead(**SMALL))
+    assert max(qa.stats["kv_bytes_peak"]) < 0.6 * max(plain.stats["kv_bytes_peak"])
+    assert released_schedule.stats["kv_bytes_peak"] == plain.stats["kv_bytes_peak"]  # the whole prompt
+    for s in (qa.stats, released_schedule.stats):
+        assert all(f <= p for f, p in zip(s["kv_bytes_final"], s["kv_bytes_peak"]))
+
+
+def test_bad_settings_are_clear_errors():
+    m = tiny_model("sdar")
+    gc = GenerationConfig(max_new_tokens=8)
+    with pytest.raises(PolicyError, match="question_tokens must be positive"):
+        generate(m, [[1, 2, 3]], gc, policy=QuestionAwareMaskAhead(**SMALL, question_tokens=0))
+    with pytest.raises(PolicyError, match="lookahead_blocks >= 2"):
+        generate(m, [[1, 2, 3]], gc, policy=QuestionAwareMaskAhead(**dict(SMALL, lookahead_blocks=1)))
+    with pytest.raises(PolicyError, match="question_weight must be >= 0"):
+        generate(m, [[1, 2, 3]], gc, policy=QuestionAwareMaskAhead(**SMALL, question_weight=-1))
