@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from ..decoding import commit, shift_logits
 from ..model import Segment, lm_head, model_step
+from ..policies.protocol import BlockResult, Policy
 from ..sharding import constrain_cache
 from .state import BlockState, dense_bytes, dense_segments, full_mask, rope_last
 
@@ -37,7 +38,6 @@ def run_block(params, cfg, gen, policy, st: BlockState, x_init, ctx) -> BlockSta
         first_tok = jnp.argmax(st.prev, axis=-1).astype(jnp.int32)
         x = x.at[:, 0].set(jnp.where(x[:, 0] == mask_id, first_tok, x[:, 0]))
     m0 = (x == mask_id).sum(-1)
-    key, k0 = jax.random.split(st.key)
 
     def logits_of(hidden):
         lg = lm_head(params, cfg, hidden)
@@ -45,27 +45,36 @@ def run_block(params, cfg, gen, policy, st: BlockState, x_init, ctx) -> BlockSta
 
     # ---- step 0: exact dense attention over the whole cache (+ the policy's statistics)
     rows = policy.stat_rows(x == mask_id, active)
-    qrows = None if rows is None else policy.query_stat_rows(rows)
-    out0 = model_step(params, cfg, x, pos, full_mask(b, bs), dense_segments(cache, L), rows, qrows)
-    x0 = x
-    x = commit(x, logits_of(out0.hidden), jnp.int32(0), m0, active, gen, mask_id, k0)
-    ctx = ctx._replace(active=active, due=st.due, tokens=x0, start=start, generated=st.out)
-    res = policy.on_block(cache, ctx._replace(mass=out0.mass, score=out0.score, rows=rows,
-                                              queries=out0.queries, block_kv=(out0.k, out0.v),
-                                              rope=rope_last(cfg, start + bs - 1)))
+    ctx = ctx._replace(active=active, due=st.due, tokens=x, start=start, generated=st.out)
+    # A policy that reads nothing at step 0 and keeps the base on_block (the dense cache) on a
+    # cache that keeps its capacity: step 0 is the denoising loop's first iteration (one traced
+    # forward per block instead of two; the same keys, commits and forwards).
+    plain = rows is None and type(policy).on_block is Policy.on_block and cache.capacity == ctx.capacity
+    if plain:
+        res = BlockResult(cache, None, jnp.bool_(False), jnp.int32(0))
+        step0, key = jnp.int32(0), st.key
+    else:
+        key, k0 = jax.random.split(st.key)
+        qrows = None if rows is None else policy.query_stat_rows(rows)
+        out0 = model_step(params, cfg, x, pos, full_mask(b, bs), dense_segments(cache, L), rows, qrows)
+        x = commit(x, logits_of(out0.hidden), jnp.int32(0), m0, active, gen, mask_id, k0)
+        res = policy.on_block(cache, ctx._replace(mass=out0.mass, score=out0.score, rows=rows,
+                                                  queries=out0.queries, block_kv=(out0.k, out0.v),
+                                                  rope=rope_last(cfg, start + bs - 1)))
+        step0 = jnp.int32(1)
     cache = res.cache
     segs = _segments(cache, res.selection, L)
 
     # ---- denoising steps over the selected context, then the commit forward: one traced
     # forward (half of what XLA compiles per block). An iteration forwards x; while masks remain
-    # (and the step bound allows) it commits and loops, else that forward was the commit forward
-    # (the finished block's K/V, which go into the cache).
+    # (and the step bound allows; step 0 always commits) it commits and loops, else that forward
+    # was the commit forward (the finished block's K/V, which go into the cache).
     bound = bs + gen.steps_per_block
 
     def body(s):
         x, step, key, _, _ = s
         o = model_step(params, cfg, x, pos, full_mask(b, bs), segs)
-        more = jnp.any((x == mask_id) & active[:, None]) & (step < bound)
+        more = (jnp.any((x == mask_id) & active[:, None]) & (step < bound)) | (step == 0)
         key2, kk = jax.random.split(key)
         # the logits and the commit only when a step follows (the commit forward needs neither)
         x2 = jax.lax.cond(more, lambda: commit(x, logits_of(o.hidden), step, m0, active, gen, mask_id, kk),
@@ -74,8 +83,8 @@ def run_block(params, cfg, gen, policy, st: BlockState, x_init, ctx) -> BlockSta
 
     out_shape = jax.eval_shape(lambda: model_step(params, cfg, x, pos, full_mask(b, bs), segs))
     zeros = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), out_shape)
-    x, step, key, _, oc = jax.lax.while_loop(lambda s: ~s[3], body, (x, jnp.int32(1), key, jnp.bool_(False), zeros))
-    n_steps = step - 1
+    x, step, key, _, oc = jax.lax.while_loop(lambda s: ~s[3], body, (x, step0, key, jnp.bool_(False), zeros))
+    n_steps = step - 1  # denoising forwards after step 0 (a plain step 0 is the loop's first)
 
     # ---- the finished block's K/V into the cache
     appended = jnp.where(active, bs, 0)
