@@ -80,6 +80,7 @@ def main(argv=None):
         model=a.model, policy=a.policy, capacity=a.capacity, batch=a.batch, prompt_len=a.prompt_len,
         gen_len=a.gen_len, attention=a.attention, jax=jax.__version__, backend=jax.default_backend(),
         compile_s=t["compile_s"], trace_lower_s=t["trace_lower_s"], xla_compile_s=t["xla_compile_s"],
+        stablehlo_chars=t["stablehlo_chars"],
         prefill_s=t["prefill_s"], decode_s=t["decode_s"],
         total_s=t["total_s"], tokens_per_s=n_tok / t["total_s"],
         decode_tokens_per_s=n_tok / t["decode_s"] if t["decode_s"] else None, nfe=s["nfe_batch"],

@@ -169,6 +169,7 @@ def _timed_run(fn, args, static):
     res = jax.block_until_ready(full(*args))
     total_s = time.perf_counter() - t0
     timings = dict(compile_s=compile_s, trace_lower_s=lower_s, xla_compile_s=compile_s - lower_s,
+                   stablehlo_chars=len(lowered.as_text()),
                    prefill_s=prefill_s, total_s=total_s, decode_s=total_s - prefill_s)
     if total_s <= prefill_s:
         timings.update(decode_s=None, timing_note=(
