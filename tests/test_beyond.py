@@ -65,11 +65,14 @@ def test_question_lookahead_probe_is_lookahead_plus_weighted_question_mass():
 
 def test_policy_parts_and_knobs():
     ev = QuestionAwareMaskAhead(**SMALL).eviction
-    assert ev.probe == QuestionLookahead(128, 3, 3.0) and ev.pin_probe and ev.first_probe is None
-    assert ev.bounded_prefill and ev.prefill_probe == Question(128, 3) and ev.pin_prefill
+    assert ev.probe == QuestionLookahead(128, 3, 3.0) and not ev.pin_probe and ev.first_probe is None
+    assert ev.bounded_prefill and ev.prefill_probe == Question(128, 3) and not ev.pin_prefill
+    pinned = QuestionAwareMaskAhead(**SMALL, pin_question=True).eviction
+    assert pinned.pin_probe and pinned.pin_prefill
     assert not QuestionAwareMaskAhead(**SMALL).first_block_special
     # question_every=False, bounded_prefill=False is the released schedule + first-eviction question
-    first = QuestionAwareMaskAhead(**SMALL, question_tokens=16, question_every=False, bounded_prefill=False)
+    first = QuestionAwareMaskAhead(**SMALL, question_tokens=16, question_every=False, bounded_prefill=False,
+                                   pin_question=True)
     assert first.eviction == MaskAhead(**SMALL, question_tokens=16, pin_question=True).eviction
     assert make("maskahead-qa", 10, question_weight=1.5).eviction.probe.weight == 1.5
 
@@ -131,7 +134,7 @@ def test_every_eviction_pins_the_question_and_keeps_the_value_ranking():
     q = 12
     for bounded in (False, True):
         calls.clear()
-        pol = Recording(**SMALL, question_tokens=q, bounded_prefill=bounded)
+        pol = Recording(**SMALL, question_tokens=q, bounded_prefill=bounded, pin_question=True)
         with jax.disable_jit():  # eager: each eviction runs once, in order
             out = generate(m, prompts, gc, policy=pol, jit=False)
         assert len(calls) >= 3 and all(p for p, _, _ in calls)  # every eviction pins the question

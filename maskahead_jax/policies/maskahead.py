@@ -20,7 +20,8 @@ lookahead (the step-0 mass is still added); pin_question keeps that span. Bounde
 
 Question-aware MaskAhead (ours, `maskahead-qa`, docs/results.md "Beyond the paper"): the question
 probe at every eviction (QuestionLookahead: the lookahead's mass plus the question's own), the
-question span pinned at every eviction, and bounded prefill with the question probe.
+question span optionally pinned at every eviction (pin_question, off), and bounded prefill with
+the question probe.
 
 The knobs are the released code's (SelectorConfig / EvictionConfig); `selector` and `eviction`
 compose them into the parts the engine runs (policies/composed.py).
@@ -164,7 +165,7 @@ class QuestionAwareMaskAhead(MaskAhead):
 
     name = "maskahead-qa"
     question_tokens: int = 128
-    pin_question: bool = True
+    pin_question: bool = False  # pinned: 85.7 against 90.3 on the testbed suite (results.md)
     question_every: bool = True
     bounded_prefill: bool = True
     question_weight: float = 0.0
