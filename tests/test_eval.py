@@ -525,3 +525,16 @@ def test_eval_sweep_preset_runs_resumes_and_exports(tmp_path, monkeypatch, capsy
     with open(tmp_path / "x.jsonl") as f:
         trimmed = [json.loads(x) for x in f]
     assert len(trimmed) == len(rows) and set(trimmed[0]) == set(EX.KEEP)
+
+
+def test_default_attention_is_not_part_of_the_run_fingerprint():
+    """GenerationConfig(attention="auto") is an execution setting: runs started before the field
+    existed still resume (their fingerprint has no attention key); a forced one is recorded."""
+    from maskahead_jax.evaluation.sweep import run_fingerprint
+
+    model = tiny_model("sdar")
+    auto = run_fingerprint(model, GenerationConfig())
+    assert "attention" not in auto["generation"] and "attention_interpret" not in auto["generation"]
+    forced = run_fingerprint(model, GenerationConfig(attention="reference"))
+    assert forced["generation"]["attention"] == "reference"
+    assert forced["fingerprint"] != auto["fingerprint"]

@@ -100,6 +100,11 @@ def run_fingerprint(model, gen: GenerationConfig = GenerationConfig(), max_new_t
     except Exception:  # a bad config fails in generate (reported per run); fingerprint it unresolved
         g = dataclasses.asdict(gen)
     g.pop("max_new_tokens", None)
+    # the attention implementation at its default is an execution setting (the same decoding,
+    # and it keeps resumes of runs started before the field existed); a forced one is recorded
+    if g.get("attention") == "auto" and not g.get("attention_interpret"):
+        g.pop("attention", None)
+        g.pop("attention_interpret", None)
     g.update(seed=gen.seed, max_new_tokens=int(max_new_tokens) if max_new_tokens else "per example")
     comp = _jsonable(dict(
         model=dict(path=model_path, files=model_files_digest(model_path), params_dtype=",".join(dtypes),
