@@ -154,16 +154,18 @@ def test_timed_run_never_reports_a_negative_or_clamped_decode(monkeypatch):
 
     class Fn:
         def lower(self, *a, **k):
-            return types.SimpleNamespace(compile=Compiled)
+            return types.SimpleNamespace(compile=Compiled, as_text=lambda: "module {}")
 
-    for clock, decode in [([0.0, 1.0, 2.0, 2.5, 3.0, 3.2], None),  # prefill 0.5 s, e2e 0.2 s
-                          ([0.0, 1.0, 2.0, 2.5, 3.0, 4.0], 0.5)]:  # prefill 0.5 s, e2e 1.0 s
+    # ticks: start, lowered, compiled, prefill start / end, end-to-end start / end
+    for clock, decode in [([0.0, 0.5, 1.0, 2.0, 2.5, 3.0, 3.2], None),  # prefill 0.5 s, e2e 0.2 s
+                          ([0.0, 0.5, 1.0, 2.0, 2.5, 3.0, 4.0], 0.5)]:  # prefill 0.5 s, e2e 1.0 s
         ticks = iter(clock)
         monkeypatch.setattr(EG, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
         _, t = EG._timed_run(Fn(), (), {})
         assert t["decode_s"] == decode
         assert ("timing_note" in t) == (decode is None)
         assert t["total_s"] > 0 and t["prefill_s"] > 0
+        assert t["trace_lower_s"] == 0.5 and t["xla_compile_s"] == 0.5 and t["stablehlo_chars"] == 9
 
 
 # ----------------------------------------------------------------------------- (d) no big constants
