@@ -29,6 +29,17 @@ def _operands(b=2, hkv=2, g=3, t=8, s=40, d=16, seed=0, dtype=jnp.float32):
     return q, kc, vc, valid, kb, vb, blk, rows
 
 
+def _kernels_and_reference(model, prompts, base: dict, pol):
+    """generate through the TPU kernels (interpret mode) and through the reference; the tokens
+    must be identical. Returns (kernels output, reference output)."""
+    want = mj.generate(model, prompts, mj.GenerationConfig(attention="reference", **base), pol)
+    got = mj.generate(model, prompts, mj.GenerationConfig(attention="pallas_tpu", attention_interpret=True,
+                                                          **base), pol)
+    for a, b in zip(got.tokens, want.tokens):
+        assert list(a) == list(b)
+    return got, want
+
+
 def test_resolve_names_and_errors():
     assert attention.resolve("auto", backend="cpu") == "reference"
     assert attention.resolve("auto", backend="gpu") == "pallas_gpu"
@@ -98,11 +109,7 @@ def test_generate_with_kernels_matches_reference(policy, monkeypatch):
     pol = None if policy == "dense" else make("maskahead", capacity_pct=50, capacity_floor=8,
                                               topk_floor=4, recent=4, sinks=1)
     base = dict(max_new_tokens=16, prefill_chunk=16, stop_at_eos=False)
-    want = mj.generate(model, prompts, mj.GenerationConfig(attention="reference", **base), pol)
-    got = mj.generate(model, prompts, mj.GenerationConfig(attention="pallas_tpu", attention_interpret=True,
-                                                          **base), pol)
-    for a, b in zip(got.tokens, want.tokens):
-        assert list(a) == list(b)
+    got, want = _kernels_and_reference(model, prompts, base, pol)
     assert got.stats["nfe"] == want.stats["nfe"]
     assert traced and {i for i, _ in traced} == {"pallas_tpu"}  # the kernel path was traced
     if policy == "maskahead":
@@ -125,11 +132,7 @@ def test_generate_q_maskahead_with_packed_kernels_matches_reference():
     prompts = [list(range(1, 40)) * 2, list(range(3, 40))]
     pol = make("q-maskahead", capacity_pct=50, capacity_floor=32, topk_floor=8, recent=8, sinks=1)
     base = dict(max_new_tokens=32, prefill_chunk=32, stop_at_eos=False)
-    want = mj.generate(model, prompts, mj.GenerationConfig(attention="reference", **base), pol)
-    got = mj.generate(model, prompts, mj.GenerationConfig(attention="pallas_tpu", attention_interpret=True,
-                                                          **base), pol)
-    for a, b in zip(got.tokens, want.tokens):
-        assert list(a) == list(b)
+    got, want = _kernels_and_reference(model, prompts, base, pol)
     assert got.stats["kv_bytes_final"] == want.stats["kv_bytes_final"]
     assert got.stats["evictions"] == want.stats["evictions"] > 0
 
@@ -142,11 +145,7 @@ def test_generate_bidirectional_with_kernels_matches_reference(policy):
     prompts = [list(range(1, 30)), list(range(3, 20))]
     pol = None if policy == "dense" else make("maskkv", kv_entries=8)
     base = dict(max_new_tokens=16, block_size=8, stop_at_eos=False)
-    want = mj.generate(model, prompts, mj.GenerationConfig(attention="reference", **base), pol)
-    got = mj.generate(model, prompts, mj.GenerationConfig(attention="pallas_tpu", attention_interpret=True,
-                                                          **base), pol)
-    for a, b in zip(got.tokens, want.tokens):
-        assert list(a) == list(b)
+    _kernels_and_reference(model, prompts, base, pol)
 
 
 def test_a_named_kernel_under_a_mesh_is_refused():

@@ -44,7 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .reference import NEG_INF
-from .splitk import Partial
+from .splitk import Partial, default_splits
 
 GROUP = 32
 BLOCK_R = 64  # query rows per warpgroup (the wgmma M)
@@ -62,15 +62,6 @@ def plan(n: int, tile=None, splits=None) -> tuple[int, int, int]:
     splits = splits or default_splits(n, tile)
     step = tile * splits
     return tile, splits, -(-n // step) * step
-
-
-def default_splits(n: int, tile: int) -> int:
-    """Pass-1 KV splits: enough CTAs to cover the SMs at small batch (at most 8 splits)."""
-    nt = max(n // tile, 1)
-    for s in (8, 4, 2):
-        if nt % s == 0 and nt // s >= 4:
-            return s
-    return 1
 
 
 class Ctx(NamedTuple):

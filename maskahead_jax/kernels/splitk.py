@@ -135,3 +135,13 @@ def stats_jnp(q_rows, k, v, valid, lse, w, centre):
     mass = jnp.einsum("br,bhrs->bhs", w, p)
     dist = jnp.linalg.norm(v.astype(jnp.float32) - centre[:, :, None, :], axis=-1)
     return mass, mass * dist
+
+
+def default_splits(n: int, tile: int) -> int:
+    """Pass-1 KV splits of the GPU backends: enough CTAs / programs to fill the SMs at small
+    batch (at most 8 splits, each of >= 4 tiles)."""
+    nt = max(n // tile, 1)
+    for s in (8, 4, 2):
+        if nt % s == 0 and nt // s >= 4:
+            return s
+    return 1
