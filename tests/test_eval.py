@@ -538,3 +538,33 @@ def test_default_attention_is_not_part_of_the_run_fingerprint():
     forced = run_fingerprint(model, GenerationConfig(attention="reference"))
     assert forced["generation"]["attention"] == "reference"
     assert forced["fingerprint"] != auto["fingerprint"]
+
+
+def test_summary_scores_by_length_group_longbench_e_buckets():
+    """LongBench rows are grouped by LongBench-E's word-count buckets (scorer_e: < 4000, < 8000,
+    else 8k+), LongBench v2 rows by their own label, other rows by context tokens; each group's
+    score is the macro mean over its datasets, and summary.md gets a by-length table."""
+    from maskahead_jax.evaluation.sweep import length_group, summarize
+
+    def row(ds, length, score, i):
+        return dict(policy="dense", capacity=None, id=f"{ds}/{i}", dataset=ds, score=score, length=length,
+                    reduction_final=1.0, reduction_peak=1.0, kv_bytes_final=1.0, kv_bytes_peak=1.0,
+                    dense_bytes_final=1.0, dense_bytes_peak=1.0, nfe=1)
+
+    assert [length_group(dict(dataset="qasper", length=n)) for n in (0, 3999, 4000, 7999, 8000, 20000)] == \
+        ["0-4k", "0-4k", "4-8k", "4-8k", "8k+", "8k+"]
+    assert length_group(dict(dataset="longbench_v2", length="medium")) == "medium"
+    assert length_group(dict(dataset="passkey", length=2048)) == "2048"
+    assert length_group(dict(dataset="passkey", length=None)) is None
+    rows = [row("qasper", 1000, 1.0, 0), row("qasper", 5000, 0.0, 1), row("qasper", 9000, 0.5, 2),
+            row("hotpotqa", 2000, 0.0, 3), row("hotpotqa", 3000, 0.0, 4), row("hotpotqa", 12000, 1.0, 5)]
+    run = summarize(rows)["runs"][0]
+    # 0-4k: qasper 100, hotpotqa 0 -> 50; 4-8k: qasper only -> 0; 8k+: (50 + 100) / 2
+    assert run["per_length"] == {"0-4k": 50.0, "4-8k": 0.0, "8k+": 75.0}
+    assert list(run["per_length"]) == ["0-4k", "4-8k", "8k+"]
+    md = to_markdown(summarize(rows))
+    assert "| policy | capacity % | 0-4k | 4-8k | 8k+ |" in md and "| dense | full | 50.00 | 0.00 | 75.00 |" in md
+    # one group only: no by-length table; token lengths sort by value
+    assert "capacity % | 0-4k" not in to_markdown(summarize(rows[:1]))
+    toks = summarize([row("passkey", 8192, 1.0, 0), row("passkey", 512, 0.0, 1)])["runs"][0]
+    assert list(toks["per_length"]) == ["512", "8192"]

@@ -27,7 +27,7 @@ import numpy as np
 
 from ..config import GenerationConfig
 from . import atomic
-from .datasets import EvalExample, Tokenizer, score_example
+from .datasets import LONGBENCH_PROMPTS, EvalExample, Tokenizer, score_example
 from .policies import (PolicyError, make_policy, policy_budgets, run_label, split_items, takes_budget,
                        validate_policy)
 from .stats import paired_sign_test
@@ -462,9 +462,48 @@ def _mean(xs):
     return float(np.mean(xs)) if xs else float("nan")
 
 
+# LongBench-E's length buckets (LongBench eval.py `scorer_e`: the record's `length`, in words)
+LONGBENCH_E_BUCKETS = ((4000, "0-4k"), (8000, "4-8k"), (math.inf, "8k+"))
+
+
+def length_group(row: dict) -> Optional[str]:
+    """The length group a result row is reported under: LongBench v1 rows by LongBench-E's
+    buckets of the record's word count (0-4k / 4-8k / 8k+), LongBench v2 rows by their own
+    short / medium / long label, every other row (testbed, needle grids, RULER) by its context
+    length in tokens; None when the row has no length."""
+    length = row.get("length")
+    if length is None or (isinstance(length, float) and math.isnan(length)):
+        return None
+    if isinstance(length, str):
+        return length
+    if row.get("dataset") in LONGBENCH_PROMPTS:
+        return next(label for bound, label in LONGBENCH_E_BUCKETS if length < bound)
+    return str(int(length))
+
+
+def _group_order(label: str) -> tuple:
+    """0-4k < 4-8k < 8k+, short < medium < long, numbers by value, anything else by name."""
+    fixed = [b for _, b in LONGBENCH_E_BUCKETS] + ["short", "medium", "long"]
+    if label in fixed:
+        return (0, fixed.index(label), "")
+    return (1, int(label), "") if label.isdigit() else (2, 0, label)
+
+
+def _per_length(rs: Sequence[dict], score_ds: Sequence[str]) -> dict:
+    """{length group: macro mean over the scored datasets of the group's rows, x100}."""
+    groups = defaultdict(lambda: defaultdict(list))
+    for r in rs:
+        g = length_group(r)
+        if g is not None and r["dataset"] in score_ds:
+            groups[g][r["dataset"]].append(r["score"])
+    return {g: _mean([100 * _mean(v) for v in groups[g].values()])
+            for g in sorted(groups, key=_group_order)}
+
+
 def summarize(rows: Sequence[dict], score_datasets: Optional[Sequence[str]] = None) -> dict:
     """Per run (policy, capacity): n, score (macro mean over `score_datasets`, default all the
-    datasets, x100), per-dataset scores,
+    datasets, x100), per-dataset scores, per-length-group scores (`length_group`: LongBench-E's
+    buckets for LongBench, context length otherwise; each the macro mean over the group's datasets),
     KV reduction at the end / peak (sum of dense-equivalent bytes / sum of held bytes over the
     examples, and the mean of per-example ratios), mean NFE, and paired sign tests against dense
     and against MaskAhead at the same capacity."""
@@ -482,6 +521,7 @@ def summarize(rows: Sequence[dict], score_datasets: Optional[Sequence[str]] = No
         run = dict(
             policy=p, capacity=None if c == "full" else float(c), n=len(rs),
             score=_mean([v for d, v in per_ds.items() if d in score_ds]), per_dataset=per_ds,
+            per_length=_per_length(rs, score_ds),
             reduction_final=sum(r["dense_bytes_final"] for r in rs) / max(1.0, sum(r["kv_bytes_final"] for r in rs)),
             reduction_peak=sum(r["dense_bytes_peak"] for r in rs) / max(1.0, sum(r["kv_bytes_peak"] for r in rs)),
             reduction_final_mean=_mean([r["reduction_final"] for r in rs]),
@@ -517,6 +557,16 @@ def to_markdown(summary: dict) -> str:
         cells += [f"{r['reduction_final']:.2f}x", f"{r['reduction_peak']:.2f}x", f"{r['nfe']:.1f}",
                   _fmt_test(r.get("vs_dense")), _fmt_test(r.get("vs_maskahead"))]
         lines.append("| " + " | ".join(cells) + " |")
+    groups = sorted({g for r in summary["runs"] for g in r.get("per_length", {})}, key=_group_order)
+    if len(groups) > 1:
+        lines += ["", "Score by length (LongBench: LongBench-E's buckets of the context's word count; "
+                  "LongBench v2: its length label; others: context tokens), the macro mean over each "
+                  "group's datasets:", "",
+                  "| policy | capacity % | " + " | ".join(groups) + " |", "|" + "---|" * (len(groups) + 2)]
+        for r in summary["runs"]:
+            pl = r.get("per_length", {})
+            lines.append("| " + " | ".join([r["policy"], "full" if r["capacity"] is None else f"{r['capacity']:g}"]
+                                           + [f"{pl[g]:.2f}" if g in pl else "-" for g in groups]) + " |")
     sd = summary.get("score_datasets")
     over = f" over {', '.join(sd)}" if sd and sd != ds else ""
     notes = ["", f"Scores x100 (score: dataset macro mean{over}). KV reduction = dense-equivalent bf16 bytes / held bytes, "
