@@ -394,6 +394,18 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--math", action="append", default=[], help="GSM8K / MATH-500 JSONL (repeatable)")
     e.add_argument("--math-max-new-tokens", type=_pos_int, default=2048)
     e.add_argument("--limit", type=_pos_int, default=None, help="examples per LongBench / math file")
+    e.add_argument("--ruler", default=None, metavar="LENGTHS",
+                   help="RULER at these total lengths in model tokens (prompt + generation), comma-separated, "
+                        "e.g. 4096,8192; generated offline (needs the [ruler] extra)")
+    e.add_argument("--ruler-tasks", default=None,
+                   help="RULER tasks, comma-separated, or all (default: every task the given data allows: "
+                        "niah_single_1, niah_multikey_2, niah_multikey_3, vt, cwe, fwe always; the essay tasks "
+                        "with --ruler-haystack; qa_1 / qa_2 with --ruler-qa)")
+    e.add_argument("--ruler-haystack", default=None, metavar="TEXT_FILE",
+                   help="plain text for RULER's essay haystack (RULER uses Paul Graham's essays; not shipped)")
+    e.add_argument("--ruler-qa", default=None, metavar="FILE[,FILE]",
+                   help="SQuAD v2 dev JSON (qa_1) and/or HotpotQA dev distractor JSON (qa_2)")
+    e.add_argument("--ruler-n", type=_pos_int, default=25, help="RULER examples per (task, length)")
     e.add_argument("--strict", action="store_true", help="stop at the first failing policy")
     _add_mesh(e)
     e.add_argument("--no-plots", action="store_true")
@@ -493,8 +505,8 @@ def cmd_eval(args) -> int:
     _init_mesh(args)  # before anything touches a JAX backend (multi-process runs)
     if args.sweep:
         return _cmd_eval_sweep(args)
-    if not (args.suite or args.needle or args.longbench or args.math):
-        raise CLIError("no examples: pass --suite, --needle, --longbench PATHS and/or --math FILE")
+    if not (args.suite or args.needle or args.longbench or args.math or args.ruler):
+        raise CLIError("no examples: pass --suite, --needle, --longbench PATHS, --math FILE and/or --ruler LENGTHS")
     args.policies = args.policies or "dense,maskahead"
     args.capacity = args.capacity or "10"
     args.batch_size = args.batch_size or 8
@@ -509,6 +521,7 @@ def cmd_eval(args) -> int:
     gen = _gen(args)
     factory, _ = _policies(cfg, gen, policies, caps, kw, args.max_new_tokens, args.preset)
 
+    ruler = _ruler_setup(args, cfg) if args.ruler else None  # refused before the tokenizer loads
     tok = D.load_tokenizer(path)
     exs = []
     # the dataset options of the run fingerprint (with the model and generation settings: run.json)
@@ -537,6 +550,12 @@ def cmd_eval(args) -> int:
     if args.math:
         dataset["math"] = dict(paths=[os.path.abspath(x) for x in args.math], limit=args.limit,
                                max_new_tokens=args.math_max_new_tokens, no_chat=args.no_chat)
+    if ruler:
+        from .evaluation.ruler import ruler_examples
+
+        exs += ruler_examples(ruler["tasks"], ruler["lengths"], tok, args.ruler_n, ruler.pop("sources"),
+                              seed=args.seed, chat=not args.no_chat)
+        dataset["ruler"] = ruler
     if not exs:
         raise CLIError("no examples: the data files given hold none (or --longbench-datasets kept none)")
 
@@ -559,6 +578,33 @@ def cmd_eval(args) -> int:
     return _report_eval(res)
 
 
+def _ruler_setup(args, cfg) -> dict:
+    """RULER's options checked up front (lengths within the model's positions, tasks, local files,
+    wonderwords), the local files read; returns the run-fingerprint entry with the sources."""
+    from .evaluation import ruler as R
+
+    lengths = _pos_ints(args.ruler, "--ruler")
+    too_long = [n for n in lengths if n > cfg.max_position_embeddings]
+    if too_long:
+        raise CLIError(f"--ruler {','.join(map(str, too_long))}: beyond the model's "
+                       f"{cfg.max_position_embeddings} positions")
+    qa_paths = _csv(args.ruler_qa) if args.ruler_qa else []
+    sources = R.load_sources(args.ruler_haystack, qa_paths)
+    if args.ruler_tasks in (None, ""):
+        tasks = R.available_tasks(sources)
+        skipped = [t for t in R.TASK_NAMES if t not in tasks]
+        if skipped:
+            print(f"[eval] RULER: skipping {', '.join(skipped)} (no --ruler-haystack / --ruler-qa data for them)",
+                  file=sys.stderr)
+    else:
+        tasks = list(R.TASK_NAMES) if args.ruler_tasks == "all" else _csv(args.ruler_tasks)
+    R.check_tasks(tasks, sources)
+    files = ([args.ruler_haystack] if args.ruler_haystack else []) + qa_paths
+    return dict(tasks=tasks, lengths=lengths, n=args.ruler_n, seed=args.seed, no_chat=args.no_chat,
+                generator=R.GENERATOR_VERSION,
+                files=[dict(path=os.path.abspath(f), sha256=R.file_digest(f)) for f in files], sources=sources)
+
+
 def _cmd_eval_sweep(args) -> int:
     """`maskahead eval --sweep NAME`: a named sweep preset (evaluation.presets.SWEEPS) sets the
     examples, policies, budgets, decoding preset and its policy knobs; only the model, --out,
@@ -572,7 +618,8 @@ def _cmd_eval_sweep(args) -> int:
     except ValueError as e:
         raise CLIError(f"--sweep: {e}") from None
     clash = [f for f, v in (("--suite", args.suite), ("--needle", args.needle), ("--longbench", args.longbench),
-                            ("--math", args.math), ("--policies", args.policies), ("--capacity", args.capacity),
+                            ("--math", args.math), ("--ruler", args.ruler), ("--policies", args.policies),
+                            ("--capacity", args.capacity),
                             ("--preset", args.preset), ("--policy-kw", args.policy_kw),
                             ("--threshold", args.threshold), ("--block-size", args.block_size),
                             ("--max-new-tokens", args.max_new_tokens)) if v]

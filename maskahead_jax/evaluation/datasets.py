@@ -9,6 +9,7 @@ Loaders (all local; nothing is downloaded):
                   and LongBench v2's data.json (multiple choice A-D, the 0-shot prompt of its
                   pred.py, scored by the letter after "The correct answer is")
   load_math       GSM8K / MATH-500 style JSONL, scored by exact match on the last \\boxed{}
+  (RULER)         generated offline by `evaluation.ruler.ruler_examples`, kind "ruler"
 """
 from __future__ import annotations
 
@@ -72,7 +73,7 @@ TESTBED_MAX_NEW = {"passkey": 16, "multikey": 16, "twohop": 16, "docqa": 16, "lo
 class EvalExample:
     """One evaluation item: prompt token ids, references and how to score them.
 
-    kind: testbed | longbench | longbench_v2 | math.  meta: length / depth for needle heatmaps,
+    kind: testbed | longbench | longbench_v2 | math | ruler.  meta: length / depth for needle heatmaps,
     the testbed task fields, LongBench all_classes, LongBench v2 domain / difficulty, the
     untruncated prompt length."""
 
@@ -505,4 +506,8 @@ def score_example(ex: EvalExample, prediction: str) -> float:
         return float(metrics.boxed_exact_match(prediction, ex.answers[0]))
     if ex.kind == LONGBENCH_V2:
         return float(extract_choice(prediction) == ex.answers[0])
+    if ex.kind == "ruler":  # RULER's string_match_all / string_match_part (dataset = the task)
+        from .ruler import ruler_score
+
+        return ruler_score(ex.dataset, prediction, ex.answers)
     raise ValueError(f"unknown example kind {ex.kind!r}")
