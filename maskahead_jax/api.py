@@ -6,6 +6,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from . import numerics
 from .model import forward_logits
 from .model.container import Model  # re-exported: maskahead_jax.api.Model / maskahead_jax.Model
 
@@ -37,7 +38,7 @@ def load_pretrained(path: str, dtype=None, family: Optional[str] = None) -> Mode
     return load_model(path, dtype=dtype, family=family)
 
 
-_forward_jit = jax.jit(forward_logits, static_argnames=("cfg", "attention"))
+_forward_jit = numerics.jit(forward_logits, static_argnames=("cfg", "attention"))
 
 
 def forward(model: Model, tokens, attention: Optional[str] = None) -> jax.Array:

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import numerics
 from .config import ModelConfig
 from .model import embed, full_mask, moe_mlp, rms_norm, rope_tables, swiglu
 from .model.decoder import attention_sublayer
@@ -39,7 +40,7 @@ def _layer_params(params, cfg: ModelConfig, l: int):
     return jax.tree_util.tree_map(lambda a: a[l - nd], params["moe_layers"]), True
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
+@functools.partial(numerics.jit, static_argnames=("cfg",))
 def _cos_sums(params, tokens, valid, *, cfg: ModelConfig):
     """[L] sums over valid tokens of cos(h_in, h_in + attn_out)."""
     b, t = tokens.shape

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..config import GenerationConfig, ModelConfig, ResolvedGeneration
+from .. import numerics
 from ..kernels import attention
 from ..policies import Dense
 from ..sharding import run_sharded
@@ -53,7 +54,8 @@ def _core_fn(cfg: ModelConfig, jit: bool):
     core = bidirectional_core if cfg.attention == "bidirectional" else block_causal_core
     if core not in _CORES:
         fn = _with_attention(core)
-        _CORES[core] = (fn, jax.jit(fn, static_argnames=("cfg", "gen", "policy", "cache_dtype", "phase")))
+        # batch-invariant compile options (numerics.py): a prompt's tokens do not depend on its batch
+        _CORES[core] = (fn, numerics.jit(fn, static_argnames=("cfg", "gen", "policy", "cache_dtype", "phase")))
     return _CORES[core][1 if jit else 0]
 
 

@@ -11,12 +11,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import numerics
 from ..config import GenerationConfig, ModelConfig
 from ..decoding import commit
 from ..model import forward_logits
 
 
-_forward = jax.jit(forward_logits, static_argnames=("cfg", "attention"))  # one compile per length
+_forward = numerics.jit(forward_logits, static_argnames=("cfg", "attention"))  # one compile per length
 
 
 def _logits(params, cfg: ModelConfig, seq, attention):
