@@ -235,7 +235,8 @@ def _gen(args, max_new: int = 64):
 
     return preset_config(getattr(args, "preset", None), max_new_tokens=max_new,
                          threshold=getattr(args, "threshold", None),
-                         block_size=getattr(args, "block_size", None))
+                         block_size=getattr(args, "block_size", None),
+                         prefill_chunk=getattr(args, "prefill_chunk", None))
 
 
 def _kw(text) -> dict:
@@ -327,6 +328,9 @@ def _add_model(p, default_testbed=True):
                         "(testbed also scales the policy floors: capacity_floor=64, topk_floor=32, recent=32)")
     p.add_argument("--threshold", type=_threshold, default=None, help="override the commit threshold, in (0, 1]")
     p.add_argument("--block-size", type=_pos_int, default=None)
+    p.add_argument("--prefill-chunk", type=_pos_int, default=None,
+                   help="prompt tokens per prefill forward, a multiple of the block size (default 512): "
+                        "with bounded prefill the peak KV is the budget plus one chunk")
     p.add_argument("--policy-kw", default=None, help=POLICY_KW_HELP)
 
 

@@ -116,6 +116,18 @@ def test_per_policy_knobs_reach_their_policy(tmp_path, capsys, monkeypatch):
     assert len(fake.calls) == 3 * 2  # 3 runs x (4 examples / batch 2)
 
 
+def test_prefill_chunk_reaches_the_run_and_is_checked_before_the_load(tmp_path, capsys, monkeypatch):
+    """--prefill-chunk (issue 40: the bounded-prefill peak is the budget plus one chunk) lands in
+    the resolved generation config of run.json; one that is not a multiple of the block size is
+    a one-line error before the model loads."""
+    monkeypatch.setattr(G, "generate", fake_generate())
+    out = str(tmp_path / "ev")
+    assert cli.main(EVAL + ["--out", out, "--policies", "dense", "--prefill-chunk", "128"]) == 0
+    assert json.load(open(os.path.join(out, "run.json")))["generation"]["prefill_chunk"] == 128
+    assert cli.main(["generate", "--ids", "5,6", "--prefill-chunk", "100"]) == 2
+    assert "prefill_chunk 100 must be a positive multiple of block_size" in _err(capsys)
+
+
 def test_a_failed_run_exits_1_and_keeps_the_others(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(G, "generate", fake_generate(fail={"maskahead"}))
     out = str(tmp_path / "ev")
