@@ -72,3 +72,25 @@ def test_testbed_preset_carries_scaled_floors(tmp_path):
     ma, sk = built[("maskahead", 10.0)], built[("snapkv", 10.0)]
     assert (ma.capacity_floor, ma.topk_floor, ma.recent) == (64, 32, 16)
     assert (sk.capacity_floor, sk.topk_floor) == (64, 32) and not hasattr(sk, "recent")
+
+
+def test_percent_capacity_is_exact_at_integers_under_jit():
+    """C(seen) = floor(pct% of seen): under jit float32 (and XLA's x / 100 -> x * 0.01) gave one
+    less than the released code's Python arithmetic at exact integers (30% of 70: 20, not 21)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from maskahead_jax.policies.eviction import Budget, _guarded
+
+    for pct, seens in ((30.0, [70, 45, 100, 7]), (10.0, [2080, 2036, 100, 9]), (7.0, [100, 300, 14])):
+        b = Budget(pct=pct, floor=1)
+        eager = [b.capacity(int(n)) for n in seens]
+        assert eager == [max(int(pct * n // 100), 1) for n in seens]  # Python arithmetic, as released
+        jitted = jax.jit(lambda s: b.capacity(s))(jnp.asarray(seens, jnp.int32))
+        assert np.asarray(jitted).tolist() == eager, (pct, seens)
+        # the float32 form XLA may reassociate to inside a larger program, (pct * 0.01) * seen,
+        # lands below the integer (30% of 70: 20.999998); the guard puts it back
+        worst = np.float32(pct) * np.float32(0.01) * np.asarray(seens, np.float32)
+        assert [max(int(np.floor(_guarded(w))), 1) for w in worst] == eager, (pct, seens)
+    assert int(np.floor(np.float32(30) * np.float32(0.01) * np.float32(70))) == 20  # what it guards against

@@ -28,6 +28,7 @@ ranks by, and which probe informs the ranking (research/maskahead.md §3, §6).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Optional
 
 import jax
@@ -37,6 +38,13 @@ from .protocol import PolicyError, StepContext
 
 
 TIMINGS = ("deferred", "end_of_block")
+
+
+def _guarded(x):
+    """x nudged up by a relative 1e-6 before a floor: float32 under jit (and XLA's x / 100 ->
+    x * 0.01) lands a few ulps below an exact integer (30% of 70 -> 20.999998 -> 20), where the
+    released code's Python arithmetic gives 21. Eager and jitted budgets agree with it."""
+    return x * (1.0 + 1e-6) + 1e-6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,12 +58,12 @@ class Budget:
         """C(seen) = max(floor(pct% * seen), floor) (or `entries`), rounded up to `multiple`."""
         m = self.multiple
         if isinstance(seen, int):
-            c = self.entries or max(int(self.pct * seen // 100), self.floor)
+            c = self.entries or max(math.floor(_guarded(self.pct * seen / 100)), self.floor)
             return -(-c // m) * m
         if self.entries:
             c = jnp.full(seen.shape, self.entries, jnp.int32)
         else:
-            c = jnp.floor(self.pct * seen.astype(jnp.float32) / 100.0).astype(jnp.int32)
+            c = jnp.floor(_guarded(self.pct * seen.astype(jnp.float32) / 100.0)).astype(jnp.int32)
             c = jnp.maximum(c, self.floor)
         return c if m == 1 else ((c + (m - 1)) // m) * m
 
