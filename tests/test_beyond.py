@@ -162,6 +162,28 @@ def test_bounded_prefill_bounds_the_peak():
         assert all(f <= p for f, p in zip(s["kv_bytes_final"], s["kv_bytes_peak"]))
 
 
+def test_prefill_slack_keeps_more_while_prefilling_and_nothing_more_after():
+    """prefill_slack x C(seen) is kept by bounded prefill: the peak grows with the slack by the
+    same step, the end memory does not (the first block evicts to C); a slack no prompt reaches
+    is the released schedule exactly (same tokens, same bytes)."""
+    m = tiny_model("sdar", num_layers=3)
+    prompts = _prompts()
+    gc = GenerationConfig(max_new_tokens=32, prefill_chunk=32, stop_at_eos=False)
+    runs = {s: generate(m, prompts, gc, policy=QuestionAwareMaskAhead(**SMALL, question_tokens=12, prefill_slack=s))
+            for s in (1.0, 2.0, 3.0, 100.0)}
+    peak = {s: runs[s].stats["kv_bytes_peak"][0] for s in runs}
+    assert peak[1.0] < peak[2.0] < peak[3.0]
+    assert peak[3.0] - peak[2.0] == peak[2.0] - peak[1.0]  # one C(seen) of entries per unit of slack
+    for s in runs:
+        assert runs[s].stats["kv_bytes_final"] == runs[1.0].stats["kv_bytes_final"]
+    released = generate(m, prompts, gc, policy=QuestionAwareMaskAhead(**SMALL, question_tokens=12,
+                                                                       bounded_prefill=False))
+    assert [list(t) for t in runs[100.0].tokens] == [list(t) for t in released.tokens]
+    assert runs[100.0].stats["kv_bytes_peak"] == released.stats["kv_bytes_peak"]
+    with pytest.raises(PolicyError, match="prefill_slack must be >= 1"):
+        generate(m, prompts, gc, policy=QuestionAwareMaskAhead(**SMALL, prefill_slack=0.5))
+
+
 def test_bad_settings_are_clear_errors():
     m = tiny_model("sdar")
     gc = GenerationConfig(max_new_tokens=8)

@@ -127,12 +127,24 @@ class Eviction:
     bounded_prefill: bool = False  # also evict after every stored prefill chunk
     prefill_probe: Any = None  # its probe (None: rank without one, e.g. by position)
     pin_prefill: bool = False  # keep prefill_probe's span (the question)
+    prefill_slack: float = 1.0  # bounded prefill keeps slack x C(seen): room for what no probe asks yet
     timing: str = "deferred"  # deferred | end_of_block (see the module docstring)
     admit_final_first: bool = False  # end_of_block: compress the prompt after its final chunk
 
     def __post_init__(self):
         if self.timing not in TIMINGS:
             raise PolicyError(f"eviction timing must be one of {'|'.join(TIMINGS)}, got {self.timing!r}")
+        if not self.prefill_slack >= 1.0:
+            raise PolicyError(f"prefill_slack must be >= 1 (a multiple of C(seen)), got {self.prefill_slack}")
+
+    def prefill_capacity(self, seen):
+        """What bounded prefill keeps: prefill_slack x C(seen) (C(seen) itself at slack 1)."""
+        c = self.budget.capacity(seen)
+        if self.prefill_slack == 1.0:
+            return c
+        if isinstance(seen, int):
+            return int(math.floor(_guarded(self.prefill_slack * c)))
+        return jnp.floor(_guarded(self.prefill_slack * c.astype(jnp.float32))).astype(jnp.int32)
 
     @property
     def deferred(self) -> bool:
@@ -156,7 +168,7 @@ class Eviction:
         prompt is the only thing ever compressed). At the end_of_block timing the prompt's
         final chunk survives its compression whole: one chunk more (not with bounded prefill,
         which leaves at most C(prompt))."""
-        pre = prompt_cap if not self.bounded_prefill else min(prompt_cap, self.budget.capacity(prompt_cap) + chunk)
+        pre = prompt_cap if not self.bounded_prefill else min(prompt_cap, self.prefill_capacity(prompt_cap) + chunk)
         if not self.interval_blocks:
             return pre, total_cap
         extra = 0 if (self.deferred or self.bounded_prefill) else chunk
@@ -240,13 +252,15 @@ class Eviction:
         return jax.lax.cond(jnp.any(rows), compress, lambda c: c, cache)
 
     def _bounded(self, cache, ctx: StepContext):
-        over = cache.length > self.budget.capacity(cache.seen)
+        cap = self.prefill_capacity(cache.seen)
+        over = cache.length > cap
+        keep = jnp.where(over, cap, cache.length)
 
         def evict(c):
             pinned = self.prefill_probe.span(c, ctx) if self.pin_prefill else None
             if self.prefill_probe is None:  # a ranking that reads no queries: no probe forward
-                return self.compact(c, None, None, over, ctx.capacity, pinned)
+                return self.evict(c, None, None, keep, ctx.capacity, pinned)
             pm = self.prefill_probe.mass(c, ctx)
-            return self.compact(c, jnp.zeros_like(pm), pm, over, ctx.capacity, pinned)
+            return self.evict(c, jnp.zeros_like(pm), pm, keep, ctx.capacity, pinned)
 
         return jax.lax.cond(jnp.any(over), evict, lambda c: c, cache)

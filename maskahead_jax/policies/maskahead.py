@@ -161,6 +161,9 @@ class QuestionAwareMaskAhead(MaskAhead):
     bounded_prefill  also evict after every prefill chunk, scored by the question probe
                      (BoundedPrefillMaskAhead's), so the peak stays near C + one chunk
     question_weight  the question mass's weight (0: lookahead_blocks, Question's scaling)
+    prefill_slack    bounded prefill keeps prefill_slack x C(seen) entries (1: C(seen)), so
+                     facts the question does not name (a second hop) survive until the first
+                     block's lookahead can ask for them; the peak grows by (slack - 1) x C
     """
 
     name = "maskahead-qa"
@@ -169,6 +172,7 @@ class QuestionAwareMaskAhead(MaskAhead):
     question_every: bool = True
     bounded_prefill: bool = True
     question_weight: float = 0.0
+    prefill_slack: float = 1.0
 
     @property
     def eviction(self) -> Optional[Eviction]:
@@ -182,7 +186,7 @@ class QuestionAwareMaskAhead(MaskAhead):
                                      first_probe=None, pin_first=False, pin_probe=self.pin_question)
         if self.bounded_prefill:
             ev = dataclasses.replace(ev, bounded_prefill=True, prefill_probe=Question(self.question_tokens, m),
-                                     pin_prefill=self.pin_question)
+                                     pin_prefill=self.pin_question, prefill_slack=self.prefill_slack)
         return ev
 
     def check_question(self) -> None:
@@ -193,6 +197,8 @@ class QuestionAwareMaskAhead(MaskAhead):
                               f"got {self.lookahead_blocks}")
         if self.question_weight < 0:
             raise PolicyError(f"question_weight must be >= 0, got {self.question_weight}")
+        if not self.prefill_slack >= 1.0:
+            raise PolicyError(f"prefill_slack must be >= 1, got {self.prefill_slack}")
 
 
 @dataclasses.dataclass(frozen=True)
