@@ -8,6 +8,8 @@ This file is the command line; the pieces are the package `experiments/testbed/`
   surgery.py    --init-from / --grow-after / --grow-heads
   clock.py      ActiveClock, the gated length curriculum (--stages), the learning-rate schedule
   heldout.py    held-out accuracy through the library's own cached `generate`
+  state.py      the portable training state (--save-state / --resume-state): a few flat files that
+                carry a run from one lent machine to the next
   export.py     the HF folder, through the converters' key tables (converters.export.save_hf)
 
 Objective (research/models.md §1.3, BD3-LM / Fast-dLLM v2 "two-copy"): the sequence x0 of L tokens
@@ -30,7 +32,9 @@ passkey/multikey accuracy reaches --gate, or 15% of the budget later). Held-out 
 
 Everything is resumable: orbax checkpoints every --ckpt-minutes in --run-dir; re-running the same
 command continues (the time budget counts training time over all runs together; time the process
-spends stopped, e.g. by SIGSTOP, does not count, see ActiveClock). Run from the repository root
+spends stopped, e.g. by SIGSTOP, does not count, see ActiveClock). Across machines: --save-state DIR
+writes params, optimizer state, step and training time as flat files at every checkpoint and at
+the end, and --resume-state DIR continues from them (experiments/gpu_train_testbed_long.sh). Run from the repository root
 with the package installed (`pip install -e .`) or PYTHONPATH=. (the GPU scripts set it).
 
 Usage:
@@ -53,7 +57,7 @@ import numpy as np
 
 from experiments.testbed.clock import (ActiveClock, batch_shape, curriculum, learning_rate,  # noqa: F401
                                        parse_stages, stage_shape)
-from experiments.testbed.config import THRESHOLD, head_dim, make_config  # noqa: F401
+from experiments.testbed.config import MAX_POSITIONS, THRESHOLD, head_dim, make_config  # noqa: F401
 from experiments.testbed.data import (BLOCK, MQAR_TEMPLATES, PACKED_TASKS, PACKED_WEIGHTS,  # noqa: F401
                                       PROMPT_FRAC, TASK_WEIGHTS, copy_sequence, data_options,
                                       longest_run, make_batch, mqar_sequence, parse_pairs,
@@ -64,6 +68,7 @@ from experiments.testbed.heldout import heldout_eval
 from experiments.testbed.objective import (make_optimizer, make_train_step, two_copy_logits,  # noqa: F401
                                            two_copy_mask)
 from experiments.testbed.prefetch import BatchPrefetcher
+from experiments.testbed.state import has_state, load_state, save_state
 from experiments.testbed.surgery import (grow_heads, grow_layers, load_init,  # noqa: F401
                                          loaded_logits_shift, parse_grow_after)
 from maskahead_jax import tasks as T
@@ -89,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--head-dim", type=int, default=None, help="default: --d-model / --heads")
     ap.add_argument("--ffn", type=int, default=384)
     ap.add_argument("--rope-theta", type=float, default=10000.0)
+    ap.add_argument("--max-positions", type=int, default=MAX_POSITIONS,
+                    help="max_position_embeddings of the config and export (generate refuses prompts "
+                         "whose prompt + new tokens + a block pass it)")
     ap.add_argument("--vocab", type=int, default=1536)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=int, default=100)
@@ -164,6 +172,18 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--export-minutes", type=float, default=None,
                     help="also export to --out every this many training minutes")
     ap.add_argument("--final-lengths", default="512,1024", help="held-out eval lengths after training (empty: none)")
+    ap.add_argument("--final-n", type=int, default=32, help="held-out examples per task of each final eval length")
+    ap.add_argument("--save-state", default=None, metavar="DIR",
+                    help="also write the portable state (params.npz, opt.npz, metrics.jsonl: see "
+                         "experiments/testbed/state.py) into DIR at every checkpoint and at the end")
+    ap.add_argument("--resume-state", default=None, metavar="DIR",
+                    help="continue from the portable state in DIR (params, optimizer state, step, training "
+                         "time, metrics) when it is ahead of --run-dir's checkpoint; takes the place of "
+                         "--init-from's weights. Without DIR/opt.npz the moments start fresh and warm up "
+                         "again over --warmup steps")
+    ap.add_argument("--state-max-mb", type=float, default=15.0,
+                    help="--save-state: largest file in MiB (a lent machine returns files of up to 16 MiB); "
+                         "float32 params over it are kept in bfloat16, an optimizer state over it is left out")
     ap.add_argument("--log-every", type=int, default=25,
                     help="append the running loss to --run-dir/metrics.jsonl every this many steps")
     return ap
@@ -204,10 +224,53 @@ def initial_params(args, cfg):
         return params
     params = load_init(args.init_from, params, parse_grow_after(args.grow_after), args.grow_heads, args.seed)
     print(f"initialized from {args.init_from}", flush=True)
+    loaded_theta = _loaded_config(args.init_from).get("rope_theta")
+    if loaded_theta is not None and float(loaded_theta) != float(cfg.rope_theta):
+        print(f"note: RoPE base {loaded_theta} in {args.init_from} -> {cfg.rope_theta} (--rope-theta): "
+              "the same weights, new rotation frequencies; training adapts to them", flush=True)
     if loaded_logits_shift(args.init_from) and not args.logits_shift:
         print(f"warning: {args.init_from} predicts with shifted logits (config logits_shift true) but "
               "this run trains without --logits-shift: its lookups will have to form again", flush=True)
     return params
+
+
+def _loaded_config(path) -> dict:
+    cfg = os.path.join(path, "config.json")
+    return json.load(open(cfg)) if os.path.exists(cfg) else {}
+
+
+def resume_from_state(args, cfg, state, opt, log_path):
+    """state (params, opt_state, step, elapsed) continued from --resume-state when that folder is
+    ahead of `state` (--run-dir's checkpoint, or the fresh start); returns (state, warm_from):
+    warm_from is the step the learning-rate warm-up counts from (the resumed step when the folder
+    held no optimizer state, so that fresh moments warm up again; else 0)."""
+    d = args.resume_state
+    if not has_state(d):
+        if d:
+            print(f"--resume-state {d}: no state there (no params.npz): starting as without it", flush=True)
+        return state, 0
+    params, opt_state, step, elapsed, meta = load_state(d, state["params"], state["opt_state"])
+    if step <= int(state["step"]):
+        print(f"--resume-state {d}: step {step} is not ahead of step {int(state['step'])}; kept the latter",
+              flush=True)
+        return state, 0
+    saved = meta.get("config") or {}
+    for k in ("rope_theta", "max_position_embeddings", "logits_shift"):
+        if k in saved and saved[k] != getattr(cfg, k):
+            print(f"warning: --resume-state {d} was trained with {k}={saved[k]}, this run has "
+                  f"{getattr(cfg, k)}", flush=True)
+    warm_from = 0
+    if opt_state is None:
+        opt_state, warm_from = opt.init(params), step
+        print(f"--resume-state {d}: no optimizer state: fresh moments, warm-up over {args.warmup} steps "
+              f"from step {step}", flush=True)
+    src = os.path.join(d, "metrics.jsonl")
+    if log_path and os.path.exists(src) and not os.path.exists(log_path):
+        import shutil
+        shutil.copyfile(src, log_path)
+    print(f"resumed from {d}: step {step}, {elapsed / 60:.1f} min trained", flush=True)
+    return {"params": params, "opt_state": opt_state, "step": np.asarray(step, np.int64),
+            "elapsed": np.asarray(elapsed, np.float64)}, warm_from
 
 
 def main(argv=None):
@@ -237,8 +300,11 @@ def main(argv=None):
             state = mngr.restore(mngr.latest_step(), args=ocp.args.StandardRestore(state))
             print(f"resumed from step {int(state['step'])}, {float(state['elapsed']) / 60:.1f} min trained",
                   flush=True)
+    warm_from = 0
+    if args.resume_state and not args.smoke:
+        state, warm_from = resume_from_state(args, cfg, state, opt, os.path.join(run_dir, "metrics.jsonl"))
     if args.export_only:
-        if mngr is None or mngr.latest_step() is None:
+        if mngr is None or (mngr.latest_step() is None and int(state["step"]) == 0):
             print("no checkpoint to export"); return 1
         export_hf(state["params"], cfg, args.out)
         print(f"exported step {int(state['step'])} to {args.out}")
@@ -261,12 +327,24 @@ def main(argv=None):
     ema = None
     stage, heldout = 0, last_heldout(log_path)  # resume: the gate sees the last held-out accuracy
 
+    def save_portable():
+        if not args.save_state or args.smoke:
+            return
+        info = save_state(args.save_state, params, opt_state, step, elapsed, cfg, args.state_max_mb)
+        if log_path and os.path.exists(log_path):
+            import shutil
+            shutil.copyfile(log_path, os.path.join(args.save_state, "metrics.jsonl"))
+        return info
+
     def save():
         if mngr is None or mngr.latest_step() == step:  # already saved at this step (orbax refuses twice)
             return
         st = {"params": params, "opt_state": opt_state, "step": np.asarray(step, np.int64), "elapsed": np.asarray(elapsed, np.float64)}
         mngr.save(step, args=ocp.args.StandardSave(st), force=True)
         mngr.wait_until_finished()
+        info = save_portable()
+        if info:
+            log({"step": step, "elapsed": elapsed, "state": args.save_state, **info})
 
     def log(rec):
         if log_path:
@@ -279,7 +357,7 @@ def main(argv=None):
         B, L, dense = batch_shape(stages[stage], step)
         if L not in steps_fns:
             steps_fns[L] = make_train_step(cfg, opt, L)
-        lr = learning_rate(step, frac, args.lr, args.warmup, args.constant_lr)
+        lr = learning_rate(step - warm_from, frac, args.lr, args.warmup, args.constant_lr)
         opt_state.hyperparams["learning_rate"] = jnp.asarray(lr, jnp.float32)
         if prefetch:
             xt, x0, masked, w = prefetch.get(step, functools.partial(batch_shape, stages[stage]))
@@ -326,9 +404,13 @@ def main(argv=None):
     export_hf(params, cfg, args.out)  # first: the weights are out even if the checkpoint fails
     save()
     for Lf in (int(x) for x in args.final_lengths.split(",") if x.strip()):
-        res = heldout_eval(params, cfg, tok, Lf, n=32)
-        print(f"[final eval] L={Lf} {res}", flush=True)
-        log({"step": step, "final_eval": res, "eval_L": Lf})
+        te = time.time()
+        res = heldout_eval(params, cfg, tok, Lf, n=args.final_n)
+        print(f"[final eval] L={Lf} {res} ({time.time() - te:.0f}s)", flush=True)
+        log({"step": step, "final_eval": res, "eval_L": Lf, "n": args.final_n})
+        if args.save_state and log_path and os.path.exists(log_path):  # the state's log has the eval too
+            import shutil
+            shutil.copyfile(log_path, os.path.join(args.save_state, "metrics.jsonl"))
     print(f"exported to {args.out}")
     return 0
 

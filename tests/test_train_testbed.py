@@ -597,3 +597,79 @@ def test_grow_layers_keeps_the_function_and_trains_the_new_layers(tmp_path, tok)
     batch = data.make_batch(0, 0, 2, 64, tok, _args(layers=4))
     new, _, loss, _ = step(grown, opt.init(grown), *batch)
     assert np.isfinite(float(loss)) and np.any(new["layers"]["wo"][1]) and np.any(new["layers"]["mlp"]["down"][3])
+
+
+def test_portable_state_round_trip(tmp_path):
+    """--save-state's files give back the params, the optimizer state, the step and the training
+    time exactly; over the size limit the params fall back to bfloat16 and the moments are left out
+    (a resumed run then starts fresh ones)."""
+    from experiments.testbed import state as S
+
+    cfg = config.make_config(_args(), 1536)
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    opt = objective.make_optimizer(1e-3)
+    g = jax.tree_util.tree_map(lambda a: 0.1 * np.ones_like(a), params)
+    upd, opt_state = opt.update(g, opt.init(params), params)  # moments and count not zero
+    params = optax.apply_updates(params, upd)
+    info = S.save_state(str(tmp_path / "s"), params, opt_state, 7, 12.5, cfg)
+    assert info["params_dtype"] == "float32" and info["opt_saved"]
+    assert sorted(os.listdir(tmp_path / "s")) == ["opt.npz", "params.npz"]  # no temporary files left
+    fresh = init_params(cfg, jax.random.PRNGKey(1))
+    p2, o2, step, elapsed, meta = S.load_state(str(tmp_path / "s"), fresh, opt.init(fresh))
+    assert (step, elapsed) == (7, 12.5) and meta["config"]["rope_theta"] == cfg.rope_theta
+    for a, b in zip(jax.tree_util.tree_leaves((params, opt_state)), jax.tree_util.tree_leaves((p2, o2))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert jax.tree_util.tree_structure(o2) == jax.tree_util.tree_structure(opt_state)
+
+    small = S.save_state(str(tmp_path / "s"), params, opt_state, 8, 13.0, cfg, max_mb=0.2)
+    assert small["params_dtype"] == "bfloat16" and not small["opt_saved"]
+    assert not os.path.exists(tmp_path / "s" / "opt.npz")  # the stale step-7 moments are gone
+    p3, o3, step, _, _ = S.load_state(str(tmp_path / "s"), fresh, opt.init(fresh))
+    assert o3 is None and step == 8
+    np.testing.assert_allclose(np.asarray(p3["embed"]), np.asarray(params["embed"]), rtol=1e-2, atol=1e-3)
+    with pytest.raises(SystemExit, match="do not match"):
+        S.load_state(str(tmp_path / "s"), init_params(config.make_config(_args(layers=3), 1536),
+                                                      jax.random.PRNGKey(0)), None)
+
+
+def _tiny_run(tmp_path, name, *extra):
+    """train_testbed.main on a tiny model for about one step (run-dir, export and state under
+    tmp_path/name: a fresh machine's disk); returns its metrics.jsonl records."""
+    import json
+
+    d = tmp_path / name
+    argv = ["--layers", "2", "--d-model", "32", "--heads", "2", "--kv-heads", "1", "--ffn", "64",
+            "--stages", "0:64:2", "--lr", "1e-3", "--constant-lr", "--warmup", "1000", "--minutes", "10",
+            "--wall-minutes", "0.05", "--log-every", "1", "--final-lengths", "", "--eval-minutes", "100",
+            "--run-dir", str(d / "run"), "--out", str(d / "export"), "--save-state", str(d / "state"), *extra]
+    assert tt.main(argv) == 0
+    assert sorted(os.listdir(d / "state")) == ["metrics.jsonl", "opt.npz", "params.npz"]
+    return [json.loads(line) for line in open(d / "run" / "metrics.jsonl")]
+
+
+def test_resume_state_continues_on_a_fresh_run_dir(tmp_path):
+    """A run resumed from another run's --save-state folder (a new machine: an empty --run-dir)
+    continues its step count, training time, learning-rate schedule and metrics log; without the
+    optimizer state it re-warms fresh moments from the resumed step."""
+    import shutil
+
+    from experiments.testbed import state as S
+
+    first = [r for r in _tiny_run(tmp_path, "a") if "loss" in r]
+    s1 = first[-1]["step"]
+    assert first[0]["step"] == 1 and first[0]["lr"] == pytest.approx(1e-6)  # warm-up: 1e-3 * 1 / 1000
+    assert S.read_meta(str(tmp_path / "a" / "state"))["step"] == s1
+    second = _tiny_run(tmp_path, "b", "--resume-state", str(tmp_path / "a" / "state"))
+    assert [r for r in second if "loss" in r][:len(first)] == first  # the log carried over
+    new = [r for r in second if "loss" in r][len(first):]
+    assert new and new[0]["step"] == s1 + 1
+    assert new[0]["lr"] == pytest.approx(1e-3 * (s1 + 1) / 1000)  # the schedule continues, no restart
+    assert new[0]["elapsed"] > first[-1]["elapsed"]
+    meta = S.read_meta(str(tmp_path / "b" / "state"))
+    assert meta["step"] == new[-1]["step"] and meta["elapsed"] >= new[-1]["elapsed"]
+
+    shutil.copytree(tmp_path / "a" / "state", tmp_path / "no_moments")
+    os.remove(tmp_path / "no_moments" / "opt.npz")
+    third = _tiny_run(tmp_path, "c", "--resume-state", str(tmp_path / "no_moments"))
+    new = [r for r in third if "loss" in r][len(first):]
+    assert new[0]["step"] == s1 + 1 and new[0]["lr"] == pytest.approx(1e-6)  # warm-up again

@@ -1,5 +1,6 @@
 """The testbed's ModelConfig from the command line's shape flags (--layers, --d-model, --heads,
---kv-heads, --head-dim, --ffn, --rope-theta, --layout, --logits-shift, --untied, --no-qk-norm)."""
+--kv-heads, --head-dim, --ffn, --rope-theta, --max-positions, --layout, --logits-shift, --untied,
+--no-qk-norm)."""
 from __future__ import annotations
 
 from maskahead_jax import tasks as T
@@ -27,7 +28,8 @@ def make_config(args, vocab: int) -> ModelConfig:
         rope_theta=args.rope_theta, tie_embeddings=not getattr(args, "untied", False),
         attention="block_causal", logits_shift=getattr(args, "logits_shift", False), mask_token_id=T.MASK_ID,
         eos_token_ids=(T.EOS_ID,), pad_token_id=T.PAD_ID, block_size=BLOCK,
-        commit_rule="dynamic", threshold=THRESHOLD, max_position_embeddings=MAX_POSITIONS)
+        commit_rule="dynamic", threshold=THRESHOLD,
+        max_position_embeddings=getattr(args, "max_positions", None) or MAX_POSITIONS)
     if getattr(args, "layout", "qwen3") == "qwen2":
         return ModelConfig(family="fast_dllm_v2", layout="qwen2", qk_norm=False, qkv_bias=True, **common)
     return ModelConfig(family="sdar", layout="qwen3", qk_norm=not getattr(args, "no_qk_norm", False), **common)
