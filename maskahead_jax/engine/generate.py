@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..config import GenerationConfig, ModelConfig, ResolvedGeneration
-from .. import numerics
+from .. import compile_cache, numerics
 from ..kernels import attention
 from ..policies import Dense
 from ..sharding import run_sharded
@@ -63,6 +63,18 @@ def core_compiles() -> int:
     """Programs the jitted generate cores hold (one per traced (shape, config, policy)): a sweep
     that buckets its prompt lengths adds one per (batch, length bucket) it visits."""
     return sum(j._cache_size() for _, j in _CORES.values() if hasattr(j, "_cache_size"))
+
+
+_SEEN_COMPILES = [0]
+
+
+def _relieve_map_pressure() -> None:
+    """After calls that compiled, drop JAX's compiled programs if the process nears the kernel's
+    memory-map limit (compile_cache.py): a long sweep otherwise dies inside LLVM mid-run."""
+    n = core_compiles()
+    if n != _SEEN_COMPILES[0]:
+        compile_cache.relieve()
+        _SEEN_COMPILES[0] = core_compiles()
 
 
 def _attention_for(gen: ResolvedGeneration, mesh) -> ResolvedGeneration:
@@ -127,6 +139,7 @@ def generate(model, prompts: Sequence[Sequence[int]], config: GenerationConfig =
     for i, p in enumerate(prompts):
         arr[i, :len(p)] = p
     plen = np.array([len(p) for p in prompts], np.int32)
+    _relieve_map_pressure()
     fn = _core_fn(cfg, jit)
     key = jax.random.PRNGKey(config.seed)
     args = (model.params, jnp.asarray(arr), jnp.asarray(plen), key)
