@@ -13,7 +13,8 @@ decoder) is compiled with `compiler_options()`, which on the CPU backend turns Y
 off (`xla_cpu_experimental_ynn_fusion_type=""`). With it the testbed's tokens are identical
 alone and in any batch, in bfloat16 and float32, for dense, MaskAhead and Q-MaskAhead.
 
-Opt out with MASKAHEAD_BATCH_VARIANT=1 (faster CPU reductions, batch-dependent results), or by
+Opt out with MASKAHEAD_BATCH_VARIANT=1 (bf16 CPU forwards ~1.16x faster, float32 ones ~1.13x
+slower: experiments/bench_batch_invariance.py; batch-dependent results), or by
 naming the option in XLA_FLAGS yourself (your value is then left alone). GPU / TPU programs get
 no option: their batch (in)variance has not been measured yet.
 """
