@@ -6,6 +6,7 @@ articles a/an/the, collapse whitespace); `qa_f1_score` (token-level F1 of the no
 `classification_score`; `retrieval_score`; `count_score`; `code_sim_score` (fuzz.ratio as the
 Indel similarity 2*LCS/(|a|+|b|)). `longbench_score(dataset, pred, answers)` picks the metric and
 takes the max over reference answers. `extract_boxed` / `boxed_exact_match` for GSM8K / MATH.
+RULER's `string_match_all` / `string_match_part` after its `postprocess_pred` (`ruler_score`).
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import difflib
 import re
 import string
 from collections import Counter
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 
 def normalize_answer(s: str) -> str:
@@ -245,3 +246,32 @@ def longbench_score(dataset: str, prediction: str, answers: list[str], all_class
     if dataset in ("trec", "triviaqa", "samsum", "lsht"):
         prediction = prediction.lstrip("\n").split("\n")[0]
     return max(fn(prediction, a, all_classes=all_classes) for a in answers)
+
+
+# ------------------------------------------------------------------------------ RULER
+# NVIDIA/RULER scripts/eval/synthetic/constants.py and evaluate.py (evaluation/ruler.py generates
+# the prompts).
+def postprocess_pred(prediction: str) -> str:
+    """RULER's evaluate.py cleanup: strip, control characters to newlines, strip again."""
+    return re.sub(r"[\x00-\x1f]", "\n", prediction.strip()).strip()
+
+
+def string_match_all(prediction: str, references: Sequence[str]) -> float:
+    """Fraction of the references found in the prediction (case-insensitive): niah, vt, cwe, fwe."""
+    pred = prediction.lower()
+    return sum(r.lower() in pred for r in references) / len(references)
+
+
+def string_match_part(prediction: str, references: Sequence[str]) -> float:
+    """1 when any reference is found in the prediction (case-insensitive): qa."""
+    pred = prediction.lower()
+    return float(max(r.lower() in pred for r in references))
+
+
+def ruler_score(task: str, prediction: str, references: Sequence[str]) -> float:
+    """One example's score in [0, 1] by the task's RULER metric (RULER reports the mean x 100):
+    string_match_part for the QA tasks (qa_1, qa_2), string_match_all for every other."""
+    if not references:
+        raise ValueError(f"RULER example of {task} has no references")
+    metric = string_match_part if task.startswith("qa_") else string_match_all
+    return float(metric(postprocess_pred(prediction), references))

@@ -163,6 +163,8 @@ def test_metrics_hand_worked():
     assert R.string_match_part("it was Paris", ["London", "paris"]) == 1.0
     assert R.string_match_part("it was Rome", ["London", "paris"]) == 0.0
     assert R.postprocess_pred("  \x00 7821945\x01 \n") == "7821945"
+    # metrics.ruler_score tells QA tasks by name: the same set as the generator's qa family
+    assert {t for t, (fam, _) in R.TASKS.items() if fam == "qa"} == {t for t in R.TASK_NAMES if t.startswith("qa_")}
     ex = EvalExample(id="ruler/vt/512/0", dataset="vt", ids=[1], answers=["AAAAA", "BBBBB"],
                      max_new_tokens=30, kind="ruler")
     assert score_example(ex, " aaaaa, BBBBB") == 1.0 and score_example(ex, "AAAAA") == 0.5

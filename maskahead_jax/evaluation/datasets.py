@@ -507,7 +507,5 @@ def score_example(ex: EvalExample, prediction: str) -> float:
     if ex.kind == LONGBENCH_V2:
         return float(extract_choice(prediction) == ex.answers[0])
     if ex.kind == "ruler":  # RULER's string_match_all / string_match_part (dataset = the task)
-        from .ruler import ruler_score
-
-        return ruler_score(ex.dataset, prediction, ex.answers)
+        return metrics.ruler_score(ex.dataset, prediction, ex.answers)
     raise ValueError(f"unknown example kind {ex.kind!r}")

@@ -107,29 +107,9 @@ def tokens_to_generate(task: str) -> int:
 
 
 # ------------------------------------------------------------------------------ metrics
-def postprocess_pred(prediction: str) -> str:
-    """RULER's evaluate.py cleanup: strip, control characters to newlines, strip again."""
-    return re.sub(r"[\x00-\x1f]", "\n", prediction.strip()).strip()
-
-
-def string_match_all(prediction: str, references: Sequence[str]) -> float:
-    """Fraction of the references found in the prediction (case-insensitive): niah, vt, cwe, fwe."""
-    pred = prediction.lower()
-    return sum(r.lower() in pred for r in references) / len(references)
-
-
-def string_match_part(prediction: str, references: Sequence[str]) -> float:
-    """1 when any reference is found in the prediction (case-insensitive): qa."""
-    pred = prediction.lower()
-    return float(max(r.lower() in pred for r in references))
-
-
-def ruler_score(task: str, prediction: str, references: Sequence[str]) -> float:
-    """One example's score in [0, 1], by the task's RULER metric (RULER reports the mean x 100)."""
-    if not references:
-        raise ValueError(f"RULER example of {task} has no references")
-    metric = string_match_part if TASKS[task][0] == "qa" else string_match_all
-    return float(metric(postprocess_pred(prediction), references))
+# RULER's metrics live in maskahead_jax/metrics.py (datasets.score_example uses them without
+# importing this generator); re-exported here.
+from ..metrics import postprocess_pred, ruler_score, string_match_all, string_match_part  # noqa: E402,F401
 
 
 # ------------------------------------------------------------------------------ local data
