@@ -47,6 +47,14 @@ def _guarded(x):
     return x * (1.0 + 1e-6) + 1e-6
 
 
+def floor_percent(pct: float, n):
+    """floor(pct% of n), guarded (`_guarded`): a Python int for an int n, int32 for an array.
+    Every percentage budget (Budget.capacity, MaskKV's per-head budget) is computed here."""
+    if isinstance(n, int):
+        return math.floor(_guarded(pct * n / 100))
+    return jnp.floor(_guarded(pct * n.astype(jnp.float32) / 100.0)).astype(jnp.int32)
+
+
 @dataclasses.dataclass(frozen=True)
 class Budget:
     pct: float = 10.0
@@ -58,13 +66,12 @@ class Budget:
         """C(seen) = max(floor(pct% * seen), floor) (or `entries`), rounded up to `multiple`."""
         m = self.multiple
         if isinstance(seen, int):
-            c = self.entries or max(math.floor(_guarded(self.pct * seen / 100)), self.floor)
+            c = self.entries or max(floor_percent(self.pct, seen), self.floor)
             return -(-c // m) * m
         if self.entries:
             c = jnp.full(seen.shape, self.entries, jnp.int32)
         else:
-            c = jnp.floor(_guarded(self.pct * seen.astype(jnp.float32) / 100.0)).astype(jnp.int32)
-            c = jnp.maximum(c, self.floor)
+            c = jnp.maximum(floor_percent(self.pct, seen), self.floor)
         return c if m == 1 else ((c + (m - 1)) // m) * m
 
     def note(self, prompt_len: int) -> Optional[str]:

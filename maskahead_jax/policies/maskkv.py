@@ -61,6 +61,7 @@ import numpy as np
 
 from .. import memory
 from ..cache import KVCache
+from .eviction import floor_percent
 from .protocol import BlockResult, Policy, PolicyError, StepContext
 
 LAYER_ALLOCS = ("boundary", "pyramid", "uniform")
@@ -297,12 +298,10 @@ class MaskKV(Policy):
         if self.budget_pct is None:
             return int(self.budget_per_head) if isinstance(plen, int) else \
                 jnp.full(plen.shape, int(self.budget_per_head), jnp.int32)
+        # guarded like every percentage budget (5% of 1000 is 50, not float32's 49.99999)
         if isinstance(plen, int):
-            return max(1, int(self.budget_pct * plen // 100))
-        # a relative guard: float32 (and XLA's x / 100 -> x * 0.01) can land a few ulps below an
-        # exact integer (5% of 1000 -> 49.99999), an absolute 1e-6 cannot catch that above ~10
-        x = self.budget_pct * plen.astype(jnp.float32) / 100.0
-        return jnp.maximum(jnp.floor(x * (1.0 + 1e-6) + 1e-6), 1).astype(jnp.int32)
+            return max(1, floor_percent(self.budget_pct, plen))
+        return jnp.maximum(floor_percent(self.budget_pct, plen), 1)
 
     def window_size(self, b_head):
         """Window entries per lane kept inside the budget B: min(window, B) (0 for mask voting)."""
