@@ -77,6 +77,106 @@ def test_policy_parts_and_knobs():
     assert make("maskahead-qa", 10, question_weight=1.5).eviction.probe.weight == 1.5
 
 
+def test_pooled_eviction_scores_are_a_max_over_valid_neighbours():
+    """evict_pool=k: MaskAhead's value score, then per lane the max over the k centred slots
+    (numpy loop), invalid slots neither scored nor lending their score; through generate, the
+    pooled policy runs and keeps what its budget says."""
+    from maskahead_jax.cache import empty
+    from maskahead_jax.policies.scorers import Pooled, ValueScore
+
+    rng = np.random.RandomState(0)
+    L, B, H, N, D = 1, 2, 1, 9, 4
+    c = empty(L, B, H, N, D, jnp.float32)
+    valid = np.ones((L, B, H, N), bool)
+    valid[0, 1, 0, 6:] = False
+    c = c._replace(v=jnp.asarray(rng.randn(L, B, H, N, D), jnp.float32), valid=jnp.asarray(valid))
+    mass = jnp.asarray(rng.rand(L, B, H, N), jnp.float32) * valid
+    ev = MaskAhead(**SMALL, evict_pool=3).eviction
+    assert ev.scorer == Pooled(ValueScore(), 3) and ev.scorer.reads_mass
+    base = np.asarray(ValueScore().scores(c, mass, None))
+    got = np.asarray(ev.scorer.scores(c, mass, None))
+    for b in range(B):
+        for i in range(N):
+            if not valid[0, b, 0, i]:
+                assert got[0, b, 0, i] == -np.inf
+                continue
+            nb = [j for j in (i - 1, i, i + 1) if 0 <= j < N and valid[0, b, 0, j]]
+            assert got[0, b, 0, i] == pytest.approx(max(base[0, b, 0, j] for j in nb), rel=1e-6)
+    assert MaskAhead(**SMALL).eviction.scorer == ValueScore()  # off by default
+    with pytest.raises(PolicyError, match="evict_pool must be positive"):
+        MaskAhead(**SMALL, evict_pool=0).validate(None, None)
+
+
+def test_allocation_spreads_the_row_budget_over_layers_and_heads():
+    """eviction.Allocation: MaskKV's layer split (Eq. 9-13 from the importances) and AdaKV's head
+    split of the row budget; per layer the heads keep Hkv x C_l in all, each at least its floor and
+    its forced keeps; Eviction.evict keeps each lane's top entries by those counts."""
+    from maskahead_jax.cache import empty
+    from maskahead_jax.policies.eviction import Allocation
+    from maskahead_jax.policies.maskkv import layer_budgets
+
+    rng = np.random.RandomState(1)
+    L, B, H, N, D = 3, 2, 4, 40, 4
+    valid = np.ones((L, B, H, N), bool)
+    scores = rng.rand(L, B, H, N).astype(np.float32)
+    scores[:, :, 0] *= 5  # head 0 holds the layer's top scores
+    forced = np.zeros_like(valid)
+    forced[..., -2:] = True
+    keep = jnp.asarray([30, 26], jnp.int32)
+    imp = (3.0, 1.0, 1.0)
+    a = Allocation(imp, beta=0.4, heads="adakv", floor_alpha=0.25, lane_cap=3.0)
+    k = np.asarray(a.counts(keep, jnp.asarray(scores), jnp.asarray(valid), jnp.asarray(forced)))
+    kl = np.asarray(layer_budgets(np.asarray(keep) * L, imp, 0.4))  # [L, B]
+    assert (kl.sum(0) == L * np.asarray(keep)).all() and kl[0, 0] > kl[1, 0]
+    np.testing.assert_array_equal(k.sum(-1), H * kl)  # no lane hit its cap here
+    assert (k[:, :, 0] > k[:, :, 1:].max(-1)).all()  # the head with the top scores keeps most
+    assert (k >= np.floor(0.25 * kl)[..., None]).all() and (k >= 2).all()
+    uniform = Allocation()
+    assert not uniform.ragged and uniform.buffer(10) == 10 and a.buffer(10) == 30
+    # Eviction.evict with the allocation: each lane keeps its k top entries
+    ev = dataclasses.replace(MaskAhead(**SMALL).eviction, allocation=a)
+    c = empty(L, B, H, N, D, jnp.float32)
+    c = c._replace(v=jnp.asarray(rng.randn(L, B, H, N, D), jnp.float32), valid=jnp.asarray(valid),
+                   pos=jnp.broadcast_to(jnp.arange(N), (L, B, H, N)).astype(jnp.int32),
+                   length=jnp.asarray([N, N], jnp.int32), seen=jnp.asarray([N, N], jnp.int32))
+    mass = jnp.asarray(scores)
+    sc, forced_real = ev.scorer.scores(c, mass, None), ev.keeps.mask(c)
+    want = np.asarray(a.counts(keep, jnp.where(forced_real, jnp.inf, sc), c.valid, forced_real))
+    out = ev.evict(c, mass, None, keep, 40)
+    kept = np.asarray(out.valid)
+    np.testing.assert_array_equal(kept.sum(-1), want)
+    np.testing.assert_array_equal(want.sum(-1), H * kl)
+    s_np, f_np, pos_out = np.asarray(sc), np.asarray(forced_real), np.asarray(out.pos)
+    for l, b, h in np.ndindex(L, B, H):  # each lane: its forced keeps, then its top scores
+        s_lane = np.where(f_np[l, b, h], np.inf, s_np[l, b, h])
+        top = np.sort(np.argsort(-s_lane, kind="stable")[: want[l, b, h]])
+        assert pos_out[l, b, h][kept[l, b, h]].tolist() == top.tolist()
+    with pytest.raises(PolicyError, match="head allocation must be one of"):
+        Allocation(heads="pyramid")
+    with pytest.raises(PolicyError, match="layer_importance has 2 values"):
+        MaskAhead(**SMALL, layer_importance=(1.0, 2.0)).validate(tiny_model("sdar", num_layers=3).config, None)
+
+
+@pytest.mark.parametrize("knobs", [dict(head_alloc="adakv", alloc_floor=1.0),
+                                   dict(layer_importance=(2.0, 1.0, 1.0), alloc_beta=1.0)])
+def test_degenerate_allocations_equal_the_uniform_rule(knobs):
+    """The ragged path with settings that give every lane C (AdaKV floor 1, MaskKV beta 1) ==
+    MaskAhead's one-C-per-lane rule, token for token, through generate; a real split runs and
+    holds about the same memory (the row budget is the same, only its split differs)."""
+    m = tiny_model("sdar", num_layers=3)
+    gc = GenerationConfig(max_new_tokens=48, prefill_chunk=32, stop_at_eos=False)
+    base = QuestionAwareMaskAhead(**SMALL, question_tokens=12)
+    plain = generate(m, _prompts(), gc, policy=base)
+    same = generate(m, _prompts(), gc, policy=dataclasses.replace(base, **knobs))
+    assert same.tokens == plain.tokens
+    assert same.stats["evictions"] == plain.stats["evictions"] >= 2
+    split = generate(m, _prompts(), gc, policy=dataclasses.replace(base, head_alloc="adakv",
+                                                                   layer_importance=(2.0, 1.0, 1.0)))
+    assert all(len(t) == 48 for t in split.tokens)
+    for a, b in zip(split.stats["reduction_final"], plain.stats["reduction_final"]):
+        assert 0.7 * b <= a <= 1.3 * b
+
+
 def test_full_budget_equals_dense():
     m = tiny_model("sdar", num_layers=3)
     prompts = _prompts()

@@ -2,6 +2,8 @@
 same quantize -> dequantize values, memory from the arrays, 2-bit, registry and errors."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +14,8 @@ from maskahead_jax import quant
 from maskahead_jax.cache import QKVCache, choose_slots, packed, simulated
 from maskahead_jax.config import GenerationConfig
 from maskahead_jax.generate import generate
-from maskahead_jax.policies import MaskAhead, PolicyError, QMaskAhead, make
+from maskahead_jax.policies import (MaskAhead, PolicyError, QMaskAhead, QuestionAwareMaskAhead,
+                                   QuestionAwareQMaskAhead, make)
 from tiny import tiny_model
 
 FULL = dict(capacity_pct=100, capacity_floor=4096, topk_pct=100, topk_floor=4096, dense_layers=1)
@@ -116,6 +119,25 @@ def test_generate_matches_float_cache_on_dequantized_kv(budget):
         assert max(packed.stats["live_entries"]) <= 96 + 32  # C rounded to whole groups + a block
     # same number of slots, 4-bit bytes (72 B/token at D = 32 + 10 B state) vs float32 (256)
     assert packed.stats["kv_bytes_final"][0] < sim.stats["kv_bytes_final"][0] / 3
+
+
+def test_question_aware_packed_run_matches_the_simulated_cache():
+    """`q-maskahead-qa`: maskahead-qa's eviction parts (question probe at every eviction, bounded
+    prefill) over the packed cache == the same policy on the quantize -> dequantize float cache;
+    bounded prefill keeps the peak near C + one chunk, far below q-maskahead's whole prompt."""
+    m = _model()
+    kw = dict(SMALL, question_tokens=48)
+    qa = QuestionAwareQMaskAhead(compact_dtype="float32", **kw)
+    ev = qa.eviction
+    assert ev == dataclasses.replace(QuestionAwareMaskAhead(**kw).eviction, budget=ev.budget)
+    assert ev.budget.multiple == 32 and make("q-maskahead-qa", 10).question_tokens == 128
+    packed_run = generate(m, _prompts((320, 250)), GC, policy=qa)
+    sim = generate(m, _prompts((320, 250)), GC, policy=dataclasses.replace(qa, simulate=True))
+    assert packed_run.tokens == sim.tokens
+    assert packed_run.stats["live_entries"] == sim.stats["live_entries"]
+    assert packed_run.stats["evictions"] >= 2
+    plain = generate(m, _prompts((320, 250)), GC, policy=QMaskAhead(compact_dtype="float32", **SMALL))
+    assert packed_run.stats["kv_bytes_peak"][0] < plain.stats["kv_bytes_peak"][0]
 
 
 def test_two_bit_and_bf16_runs_end_to_end():

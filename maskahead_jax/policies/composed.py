@@ -18,6 +18,8 @@ from typing import ClassVar, Optional
 
 import jax.numpy as jnp
 
+from .. import memory
+
 from .eviction import Eviction
 from .protocol import BlockResult, Policy, StepContext
 from .selection import Selector, masked_rows
@@ -84,6 +86,13 @@ class ComposedPolicy(Policy):
         ev = self.eviction
         note = ev.budget.note(min(prompt_lens)) if ev is not None and prompt_lens else None
         return f"{self.name}: {note}" if note else None
+
+    def held_bytes(self, cache):
+        """Ragged per-lane budgets (Allocation) count their kept entries (a flattened layout,
+        as MaskKV's); one budget per lane counts the rectangular extent."""
+        ev = self.eviction
+        ragged = ev is not None and ev.allocation.ragged
+        return memory.row_bytes(cache.valid, cache.bytes_per_token, self.keeps_state, kept_only=ragged)
 
     def on_block(self, cache, ctx: StepContext) -> BlockResult:
         sel, ev = self.selector, self.eviction

@@ -4,6 +4,9 @@ ranks by, and which probe informs the ranking (research/maskahead.md §3, §6).
   Budget        C(seen) = max(floor(pct% * seen), floor), or a fixed number of `entries`,
                 rounded up to `multiple` (32 for a packed cache: whole key groups)
   ForcedKeeps   the newest `recent` entries and positions < `sinks` always survive
+  Allocation    how a row's budget is spread over layers and KV heads: C(seen) in every lane
+                (the released rule), or MaskKV's layer budgets from an offline importance
+                profile and / or AdaKV's head budgets from the eviction scores (ours, issue 40)
   Eviction      budget + scorer + keeps + probes + schedule, at one of two timings:
                   "deferred" (MaskAhead, the released `lookahead` policy): after the prompt
                   (due at step 0 of the first block) and, with interval_blocks > 0, at step 0
@@ -121,6 +124,71 @@ class ForcedKeeps:
         return cache.valid & (recent | ((cache.pos >= 0) & (cache.pos < self.sinks)))
 
 
+HEAD_ALLOCS = ("uniform", "adakv")
+
+
+@dataclasses.dataclass(frozen=True)
+class Allocation:
+    """Per-lane budgets from a row's budget C (ours, issue 40: MaskKV's adaptive budgets inside
+    MaskAhead's eviction). The row keeps L x Hkv x C entries in all, as with one C per lane:
+
+      layer_importance  () every layer keeps Hkv x C; else one importance per layer (`maskahead
+                        calibrate`), split by MaskKV's Eq. 9-13 with `beta` (maskkv.layer_budgets)
+      heads             "uniform": each head C_l; "adakv": floor_alpha x C_l per head, the rest
+                        of the layer's Hkv x C_l to the heads holding the layer's top eviction
+                        scores (maskkv.adakv_head_budgets), so a head that attends to many
+                        entries keeps more of them
+      lane_cap          no lane keeps more than lane_cap x C (the static buffer is planned for
+                        it); what a lane cannot take is not handed to another (MaskKV's clipping)
+
+    A lane also keeps at least its forced keeps (sinks, recent, pins). Ragged lanes are counted
+    by their kept entries (a flattened / paged layout, as MaskKV's)."""
+
+    layer_importance: tuple = ()
+    beta: float = 0.4
+    heads: str = "uniform"
+    floor_alpha: float = 0.2
+    lane_cap: float = 2.0
+
+    def __post_init__(self):
+        if self.heads not in HEAD_ALLOCS:
+            raise PolicyError(f"head allocation must be one of {'|'.join(HEAD_ALLOCS)}, got {self.heads!r}")
+        if not 0.0 <= self.beta <= 1.0:
+            raise PolicyError(f"alloc_beta must be in [0, 1], got {self.beta}")
+        if not 0.0 <= self.floor_alpha <= 1.0:
+            raise PolicyError(f"alloc_floor must be in [0, 1], got {self.floor_alpha}")
+        if not self.lane_cap >= 1.0:
+            raise PolicyError(f"alloc_lane_cap must be >= 1, got {self.lane_cap}")
+
+    @property
+    def ragged(self) -> bool:
+        return bool(self.layer_importance) or self.heads != "uniform"
+
+    def buffer(self, c: int) -> int:
+        """The most entries one lane may hold for a row budget c (a static int)."""
+        return c if not self.ragged else int(math.ceil(self.lane_cap * c))
+
+    def counts(self, keep, scores, valid, forced):
+        """[L, B, Hkv] entries per lane for row budgets keep [B]: scores / valid / forced
+        [L, B, Hkv, N] (forced entries are kept whatever the split)."""
+        from .maskkv import adakv_head_budgets, layer_budgets  # maskkv imports this module
+
+        L = scores.shape[0]
+        keep = keep.astype(jnp.int32)
+        if self.layer_importance:
+            kl = layer_budgets(keep * L, self.layer_importance, self.beta)  # [L, B]
+        else:
+            kl = jnp.broadcast_to(keep[None], (L,) + keep.shape)
+        if self.heads == "adakv":
+            finite = jnp.where(forced, jnp.finfo(jnp.float32).max, scores.astype(jnp.float32))
+            k = adakv_head_budgets(kl, finite, valid, self.floor_alpha)
+        else:
+            k = jnp.broadcast_to(kl[..., None], valid.shape[:3])
+        cap = jnp.ceil(self.lane_cap * keep.astype(jnp.float32)).astype(jnp.int32)[None, :, None]
+        k = jnp.maximum(jnp.minimum(k, cap), forced.sum(-1))
+        return jnp.minimum(k, valid.sum(-1)).astype(jnp.int32)
+
+
 @dataclasses.dataclass(frozen=True)
 class Eviction:
     budget: Budget
@@ -137,6 +205,7 @@ class Eviction:
     prefill_slack: float = 1.0  # bounded prefill keeps slack x C(seen): room for what no probe asks yet
     timing: str = "deferred"  # deferred | end_of_block (see the module docstring)
     admit_final_first: bool = False  # end_of_block: compress the prompt after its final chunk
+    allocation: Allocation = Allocation()  # how a row's budget is spread over layers / heads
 
     def __post_init__(self):
         if self.timing not in TIMINGS:
@@ -175,11 +244,12 @@ class Eviction:
         prompt is the only thing ever compressed). At the end_of_block timing the prompt's
         final chunk survives its compression whole: one chunk more (not with bounded prefill,
         which leaves at most C(prompt))."""
-        pre = prompt_cap if not self.bounded_prefill else min(prompt_cap, self.prefill_capacity(prompt_cap) + chunk)
+        lane = self.allocation.buffer  # ragged allocations: a lane may hold up to lane_cap x C
+        pre = prompt_cap if not self.bounded_prefill else min(prompt_cap, lane(self.prefill_capacity(prompt_cap)) + chunk)
         if not self.interval_blocks:
             return pre, total_cap
         extra = 0 if (self.deferred or self.bounded_prefill) else chunk
-        return pre, min(total_cap, self.budget.capacity(total_cap) + extra + (self.interval_blocks + 1) * block_size)
+        return pre, min(total_cap, lane(self.budget.capacity(total_cap)) + extra + (self.interval_blocks + 1) * block_size)
 
     # ---------------------------------------------------------------- the step
     def evict(self, cache, mass0, probe_mass, keep, capacity: int, pinned=None):
@@ -189,6 +259,10 @@ class Eviction:
         forced = self.keeps.mask(cache)
         if pinned is not None:
             forced = forced | (pinned & cache.valid)
+        if self.allocation.ragged:  # rows keeping everything (keep >= length) stay whole
+            split = self.allocation.counts(keep, scores, cache.valid, forced)
+            whole = (keep >= cache.length)[None, :, None]
+            keep = jnp.minimum(jnp.where(whole, keep[None, :, None], split), capacity)
         return cache.keep_top(jnp.where(forced, jnp.inf, scores), keep, capacity)
 
     def compact(self, cache, mass0, probe_mass, rows, capacity: int, pinned=None):

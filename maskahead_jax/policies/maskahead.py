@@ -32,10 +32,10 @@ import dataclasses
 from typing import Optional
 
 from .composed import ComposedPolicy
-from .eviction import Budget, Eviction, ForcedKeeps, budget_of, check_budget
+from .eviction import Allocation, Budget, Eviction, ForcedKeeps, budget_of, check_budget
 from .probes import FILLS, DapQ as DapQProbe, Lookahead, Question, QuestionLookahead
 from .protocol import PolicyError
-from .scorers import MassScore, ProbeMass, ValueScore
+from .scorers import MassScore, Pooled, ProbeMass, ValueScore
 from .selection import Selector
 
 RANKINGS = ("value", "mass", "none")
@@ -72,6 +72,14 @@ class MaskAhead(ComposedPolicy):
     question_tokens: int = 0  # > 0: the first eviction probes the question's last N tokens
     pin_question: bool = False  # with question_tokens: that span always survives
     capacity_entries: int = 0  # > 0: an absolute budget of KV entries per lane (pct / floor unused)
+    evict_pool: int = 1  # > 1: eviction scores max-pooled over this many neighbouring slots (ours)
+    # ours (issue 40): MaskKV's adaptive budgets in the eviction (eviction.Allocation); the row
+    # budget is the same, its split over layers / heads is not
+    layer_importance: tuple = ()  # one importance per layer (maskahead calibrate): Eq. 9-13 layer split
+    alloc_beta: float = 0.4  # MaskKV's beta: the share every layer keeps before the importance split
+    head_alloc: str = "uniform"  # uniform | adakv (heads with the layer's top scores keep more)
+    alloc_floor: float = 0.2  # adakv: each head keeps at least this share of its layer's C_l
+    alloc_lane_cap: float = 2.0  # no lane keeps more than this x C
 
     # ------------------------------------------------------------------ parts
     @property
@@ -89,8 +97,13 @@ class MaskAhead(ComposedPolicy):
             return None
         m = self.lookahead_blocks
         first = Question(self.question_tokens, m) if self.question_tokens else None
+        scorer = ValueScore() if self.evict_ranking == "value" else MassScore()
+        if self.evict_pool > 1:
+            scorer = Pooled(scorer, self.evict_pool)
+        alloc = Allocation(tuple(float(x) for x in self.layer_importance), self.alloc_beta, self.head_alloc,
+                           self.alloc_floor, self.alloc_lane_cap)
         return Eviction(
-            budget=self.budget(), scorer=ValueScore() if self.evict_ranking == "value" else MassScore(),
+            budget=self.budget(), scorer=scorer, allocation=alloc,
             keeps=ForcedKeeps(self.sinks, self.recent), probe=Lookahead(m) if m > 1 else None,
             interval_blocks=self.interval_blocks, first_probe=first, pin_first=self.pin_question)
 
@@ -106,11 +119,14 @@ class MaskAhead(ComposedPolicy):
             raise PolicyError(f"evict_ranking must be value|mass|none, got {self.evict_ranking!r}")
         check_pct(topk_pct=self.topk_pct)
         check_positive(topk_floor=self.topk_floor, interval_blocks=self.interval_blocks,
-                       lookahead_blocks=self.lookahead_blocks)
+                       lookahead_blocks=self.lookahead_blocks, evict_pool=self.evict_pool)
         if self.sinks < 0 or self.recent < 0 or self.dense_layers < 0:
             raise PolicyError("sinks, recent and dense_layers must be >= 0")
         if self.question_tokens < 0:
             raise PolicyError(f"question_tokens must be >= 0, got {self.question_tokens}")
+        if self.layer_importance and cfg is not None and len(self.layer_importance) != cfg.num_layers:
+            raise PolicyError(f"layer_importance has {len(self.layer_importance)} values, the model "
+                              f"has {cfg.num_layers} layers")
         self.check_question()
         check_budget(self, self.recent + self.sinks if self.evict_ranking != "none" else 0)
 

@@ -32,6 +32,11 @@ token seen.
 selection by the step-0 mass alone (every masked query, top k = max(256, 5%)) and no eviction:
 QMaskAhead(select_ranking="mass", evict_ranking="none").
 
+`q-maskahead-qa` (ours, issue 40, docs/results.md "Beyond the paper"): `maskahead-qa`'s eviction
+(the question probe at every eviction, bounded prefill) over this packed cache: the question-aware
+ranking decides what is kept, the low-bit storage makes each kept entry ~3.5x cheaper, so the same
+end memory affords a ~3.5x larger C.
+
 `simulate=True` keeps a float cache whose appended K/V (and requantized survivor keys) take the
 same quantize -> dequantize round trip: the float reference the tests compare the packed run to.
 """
@@ -46,7 +51,7 @@ import jax.numpy as jnp
 from .. import quant
 from ..cache import packed, simulated
 from .eviction import Budget, budget_of
-from .maskahead import MaskAhead
+from .maskahead import MaskAhead, QuestionAwareMaskAhead
 from .protocol import PolicyError
 from .selection import Selector
 
@@ -76,6 +81,10 @@ class QMaskAhead(MaskAhead):
             raise PolicyError("q-maskahead needs a block-causal family (its packed cache is the "
                               "block-causal core's; the bidirectional core keeps a float cache)")
         g = quant.GROUP
+        ev = self.eviction
+        if ev is not None and ev.allocation.ragged:
+            raise PolicyError("layer_importance / head_alloc (ragged per-lane budgets) need a float cache: "
+                              "the packed cache appends whole key groups at one slot for every lane")
         if self.compaction not in COMPACTIONS:
             raise PolicyError(f"compaction must be one of {'|'.join(COMPACTIONS)}, got {self.compaction!r}")
         if not 0.0 < float(self.repack_below) <= 1.0:
@@ -127,3 +136,17 @@ class QMaskAhead(MaskAhead):
                                        self.residual)
         c = packed.empty(num_layers, batch, kv_heads, capacity, head_dim, self.bits, self.residual)
         return packed.lazy_type(self.need)(*c) if self.compaction == "lazy" else c
+
+
+@dataclasses.dataclass(frozen=True)
+class QuestionAwareQMaskAhead(QMaskAhead, QuestionAwareMaskAhead):
+    """`maskahead-qa` on the packed low-bit cache (ours): QuestionAwareMaskAhead's eviction parts
+    (its `eviction` property, through the MRO) with QMaskAhead's storage, whole-key-group budgets
+    and checks. Bounded prefill's chunks must be multiples of 32 (or residual=True), as every
+    append into the packed cache."""
+
+    name = "q-maskahead-qa"
+    # dataclass fields merge along the MRO with QMaskAhead's (MaskAhead's) defaults last, so
+    # maskahead-qa's own defaults are restated here
+    question_tokens: int = 128
+    pin_question: bool = False

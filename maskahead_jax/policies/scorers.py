@@ -16,6 +16,9 @@ prefix mass pooled over the ctx.rows queries; ctx.queries: their pre-RoPE moment
                  prefill chunk (its tokens) x (their pooled mass over the cache before it)
   CAOTE          H2O + CAOTE: h_i / (1 - h_i) * ||v_i - o||, h = acc normalised per lane
   PooledVote     SnapKV: the probe's mass alone, max-pooled over `pool` neighbouring slots
+  Pooled         any scorer's scores max-pooled over `pool` neighbouring valid slots (ours, for
+                 MaskAhead: a kept entry keeps its neighbours, so a fact's later words survive
+                 with the word the masks attend to; docs/results.md "Beyond the paper")
 (Expected Attention's scorer, with its query moments, is in policies/expected_attention.py.)
 """
 from __future__ import annotations
@@ -133,3 +136,21 @@ class PooledVote(Scorer):
         a = mass0 if probe is None else probe  # the window queries' vote only
         a = jnp.where(cache.valid, a.astype(jnp.float32), -jnp.inf)
         return max_pool_1d(a, self.pool)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pooled(Scorer):
+    """`inner`'s scores max-pooled over a centred window of `pool` slots (ours). Slots hold
+    entries in position order, so the neighbours are the nearest kept positions (adjacent ones
+    in a part of the cache nothing has been evicted from yet); invalid slots take no part."""
+
+    inner: Scorer = ValueScore()
+    pool: int = 3
+
+    @property
+    def reads_mass(self) -> bool:  # the engine reads the class attribute through instances
+        return self.inner.reads_mass
+
+    def scores(self, cache, mass0, probe):
+        a = jnp.where(cache.valid, self.inner.scores(cache, mass0, probe).astype(jnp.float32), -jnp.inf)
+        return jnp.where(cache.valid, max_pool_1d(a, self.pool), -jnp.inf)
