@@ -141,6 +141,10 @@ class Allocation:
       lane_cap          no lane keeps more than lane_cap x C (the static buffer is planned for
                         it); what a lane cannot take is not handed to another (MaskKV's clipping)
 
+      multiple          every lane's count a multiple of this (32 on the packed cache: whole
+                        key groups, so appends stay group-aligned); a layer's lanes are rounded
+                        down and the units left over go to the lanes with the largest remainders
+
     A lane also keeps at least its forced keeps (sinks, recent, pins). Ragged lanes are counted
     by their kept entries (a flattened / paged layout, as MaskKV's)."""
 
@@ -149,6 +153,7 @@ class Allocation:
     heads: str = "uniform"
     floor_alpha: float = 0.2
     lane_cap: float = 2.0
+    multiple: int = 1
 
     def __post_init__(self):
         if self.heads not in HEAD_ALLOCS:
@@ -184,8 +189,18 @@ class Allocation:
             k = adakv_head_budgets(kl, finite, valid, self.floor_alpha)
         else:
             k = jnp.broadcast_to(kl[..., None], valid.shape[:3])
+        m = self.multiple
         cap = jnp.ceil(self.lane_cap * keep.astype(jnp.float32)).astype(jnp.int32)[None, :, None]
-        k = jnp.maximum(jnp.minimum(k, cap), forced.sum(-1))
+        k = jnp.minimum(k, cap)
+        if m > 1:  # whole units per lane, the layer's total units kept (largest remainders)
+            from .maskkv import _spread
+
+            total = k.sum(-1) // m  # [L, B]
+            base = k // m
+            k = m * _spread(jnp, base, (k - m * base).astype(jnp.float32), total - base.sum(-1), axis=-1)
+            k = jnp.minimum(k, (cap // m) * m)
+        need = forced.sum(-1)
+        k = jnp.maximum(k, -(-need // m) * m)
         return jnp.minimum(k, valid.sum(-1)).astype(jnp.int32)
 
 

@@ -100,10 +100,11 @@ class MaskAhead(ComposedPolicy):
         scorer = ValueScore() if self.evict_ranking == "value" else MassScore()
         if self.evict_pool > 1:
             scorer = Pooled(scorer, self.evict_pool)
+        budget = self.budget()
         alloc = Allocation(tuple(float(x) for x in self.layer_importance), self.alloc_beta, self.head_alloc,
-                           self.alloc_floor, self.alloc_lane_cap)
+                           self.alloc_floor, self.alloc_lane_cap, budget.multiple)
         return Eviction(
-            budget=self.budget(), scorer=scorer, allocation=alloc,
+            budget=budget, scorer=scorer, allocation=alloc,
             keeps=ForcedKeeps(self.sinks, self.recent), probe=Lookahead(m) if m > 1 else None,
             interval_blocks=self.interval_blocks, first_probe=first, pin_first=self.pin_question)
 

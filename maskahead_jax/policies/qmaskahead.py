@@ -82,9 +82,9 @@ class QMaskAhead(MaskAhead):
                               "block-causal core's; the bidirectional core keeps a float cache)")
         g = quant.GROUP
         ev = self.eviction
-        if ev is not None and ev.allocation.ragged:
-            raise PolicyError("layer_importance / head_alloc (ragged per-lane budgets) need a float cache: "
-                              "the packed cache appends whole key groups at one slot for every lane")
+        if ev is not None and ev.allocation.ragged and (self.compaction == "lazy" or self.residual):
+            raise PolicyError("layer_importance / head_alloc (ragged per-lane budgets, whole key groups per "
+                              "lane) need compaction='requantize' and residual=False")
         if self.compaction not in COMPACTIONS:
             raise PolicyError(f"compaction must be one of {'|'.join(COMPACTIONS)}, got {self.compaction!r}")
         if not 0.0 < float(self.repack_below) <= 1.0:
