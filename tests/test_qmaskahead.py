@@ -121,7 +121,7 @@ def test_generate_matches_float_cache_on_dequantized_kv(budget):
     assert packed.stats["kv_bytes_final"][0] < sim.stats["kv_bytes_final"][0] / 3
 
 
-@pytest.mark.parametrize("alloc", [{}, dict(head_alloc="adakv", alloc_floor=0.1)])
+@pytest.mark.parametrize("alloc", [dict(head_alloc="uniform"), dict(head_alloc="adakv", alloc_floor=0.1)])
 def test_question_aware_packed_run_matches_the_simulated_cache(alloc):
     """`q-maskahead-qa`: maskahead-qa's eviction parts (question probe at every eviction, bounded
     prefill) over the packed cache == the same policy on the quantize -> dequantize float cache;
@@ -133,7 +133,7 @@ def test_question_aware_packed_run_matches_the_simulated_cache(alloc):
     ev = qa.eviction
     flt = QuestionAwareMaskAhead(**kw).eviction
     assert ev == dataclasses.replace(flt, budget=ev.budget, allocation=dataclasses.replace(flt.allocation, multiple=32))
-    assert ev.allocation.multiple == 32
+    assert ev.allocation.multiple == 32 and make("q-maskahead-qa", 10).head_alloc == "adakv"
     assert ev.budget.multiple == 32 and make("q-maskahead-qa", 10).question_tokens == 128
     packed_run = generate(m, _prompts((320, 250)), GC, policy=qa)
     sim = generate(m, _prompts((320, 250)), GC, policy=dataclasses.replace(qa, simulate=True))
