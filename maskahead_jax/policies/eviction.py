@@ -37,6 +37,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
+from .budgets import _spread, adakv_head_budgets, layer_budgets
 from .protocol import PolicyError, StepContext
 
 
@@ -176,8 +177,6 @@ class Allocation:
     def counts(self, keep, scores, valid, forced):
         """[L, B, Hkv] entries per lane for row budgets keep [B]: scores / valid / forced
         [L, B, Hkv, N] (forced entries are kept whatever the split)."""
-        from .maskkv import adakv_head_budgets, layer_budgets  # maskkv imports this module
-
         L = scores.shape[0]
         keep = keep.astype(jnp.int32)
         if self.layer_importance:
@@ -193,8 +192,6 @@ class Allocation:
         cap = jnp.ceil(self.lane_cap * keep.astype(jnp.float32)).astype(jnp.int32)[None, :, None]
         k = jnp.minimum(k, cap)
         if m > 1:  # whole units per lane, the layer's total units kept (largest remainders)
-            from .maskkv import _spread
-
             total = k.sum(-1) // m  # [L, B]
             base = k // m
             k = m * _spread(jnp, base, (k - m * base).astype(jnp.float32), total - base.sum(-1), axis=-1)
