@@ -390,6 +390,18 @@ def test_lazy_compaction_end_to_end():
     assert runs["lazy"].stats["evictions"] >= 2
     for a, r in zip(runs["lazy"].stats["kv_bytes_final"], runs["requantize"].stats["kv_bytes_final"]):
         assert a >= r
+    # with bounded prefill (q-maskahead-qa) the prefill buffer gets the lazy layout's room too:
+    # without it the padded extent plus the next chunk ran past the buffer, and the append
+    # (dynamic_update_slice clamps its start) overwrote kept entries
+    qa = QuestionAwareQMaskAhead(**SMALL, question_tokens=48, head_alloc="uniform", compaction="lazy")
+    plain = dataclasses.replace(qa, compaction="requantize")
+    c0, _ = qa.plan(320, 400, 32, 64)
+    assert c0 >= plain.plan(320, 400, 32, 64)[0] + qa.eviction.prefill_capacity(320)
+    runs = {c: generate(m, _prompts((320, 250)), GC, policy=dataclasses.replace(qa, compaction=c))
+            for c in ("requantize", "lazy")}
+    assert runs["lazy"].stats["evictions"] >= 2
+    for a, r in zip(runs["lazy"].stats["kv_bytes_final"], runs["requantize"].stats["kv_bytes_final"]):
+        assert a >= r
     cfg = m.config
     gen = GC.resolve(cfg)
     for kw, msg in ((dict(compaction="eager"), "compaction must be"), (dict(repack_below=0.0), "repack_below"),

@@ -120,8 +120,11 @@ class QMaskAhead(MaskAhead):
         if self.compaction == "lazy" and self.eviction is not None:
             # room for the lazy layout: kept groups padded to the row's most (<= C * 32 / need
             # slots), then up to C re-encoded survivors, then the blocks until the next eviction
+            ev = self.eviction
             cap = self.budget().capacity(total_cap)
             c1 += _round_up(-(-cap * quant.GROUP // self.need))
+            if ev.bounded_prefill:  # q-maskahead-qa: the prefill buffer is compacted the same way
+                c0 += _round_up(-(-ev.prefill_capacity(prompt_cap) * quant.GROUP // self.need))
         return _round_up(c0), _round_up(c1)
 
     @property
