@@ -151,7 +151,7 @@ def test_allocation_spreads_the_row_budget_over_layers_and_heads():
         s_lane = np.where(f_np[l, b, h], np.inf, s_np[l, b, h])
         top = np.sort(np.argsort(-s_lane, kind="stable")[: want[l, b, h]])
         assert pos_out[l, b, h][kept[l, b, h]].tolist() == top.tolist()
-    with pytest.raises(PolicyError, match="head allocation must be one of"):
+    with pytest.raises(PolicyError, match="head_alloc must be one of"):
         Allocation(heads="pyramid")
     with pytest.raises(PolicyError, match="layer_importance has 2 values"):
         MaskAhead(**SMALL, layer_importance=(1.0, 2.0)).validate(tiny_model("sdar", num_layers=3).config, None)

@@ -134,14 +134,13 @@ class Allocation:
     MaskAhead's eviction). The row keeps L x Hkv x C entries in all, as with one C per lane:
 
       layer_importance  () every layer keeps Hkv x C; else one importance per layer (`maskahead
-                        calibrate`), split by MaskKV's Eq. 9-13 with `beta` (maskkv.layer_budgets)
+                        calibrate`), split by MaskKV's Eq. 9-13 with `beta` (budgets.layer_budgets)
       heads             "uniform": each head C_l; "adakv": floor_alpha x C_l per head, the rest
                         of the layer's Hkv x C_l to the heads holding the layer's top eviction
-                        scores (maskkv.adakv_head_budgets), so a head that attends to many
+                        scores (budgets.adakv_head_budgets), so a head that attends to many
                         entries keeps more of them
       lane_cap          no lane keeps more than lane_cap x C (the static buffer is planned for
                         it); what a lane cannot take is not handed to another (MaskKV's clipping)
-
       multiple          every lane's count a multiple of this (32 on the packed cache: whole
                         key groups, so appends stay group-aligned); a layer's lanes are rounded
                         down and the units left over go to the lanes with the largest remainders
@@ -158,7 +157,7 @@ class Allocation:
 
     def __post_init__(self):
         if self.heads not in HEAD_ALLOCS:
-            raise PolicyError(f"head allocation must be one of {'|'.join(HEAD_ALLOCS)}, got {self.heads!r}")
+            raise PolicyError(f"head_alloc must be one of {'|'.join(HEAD_ALLOCS)}, got {self.heads!r}")
         if not 0.0 <= self.beta <= 1.0:
             raise PolicyError(f"alloc_beta must be in [0, 1], got {self.beta}")
         if not 0.0 <= self.floor_alpha <= 1.0:

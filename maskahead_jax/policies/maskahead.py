@@ -23,6 +23,11 @@ probe at every eviction (QuestionLookahead: the lookahead's mass plus the questi
 question span optionally pinned at every eviction (pin_question, off), and bounded prefill with
 the question probe.
 
+Issue 40's other knobs (ours, off by default; docs/results.md §2c-2): `head_alloc="adakv"` /
+`layer_importance` spread a row's budget over KV heads / layers (eviction.Allocation: AdaKV's head
+budgets, MaskKV's calibrated layer budgets), `evict_pool` max-pools the eviction scores over
+neighbouring slots.
+
 The knobs are the released code's (SelectorConfig / EvictionConfig); `selector` and `eviction`
 compose them into the parts the engine runs (policies/composed.py).
 """
