@@ -170,11 +170,12 @@ def test_degenerate_allocations_equal_the_uniform_rule(knobs):
     same = generate(m, _prompts(), gc, policy=dataclasses.replace(base, **knobs))
     assert same.tokens == plain.tokens
     assert same.stats["evictions"] == plain.stats["evictions"] >= 2
-    split = generate(m, _prompts(), gc, policy=dataclasses.replace(base, head_alloc="adakv",
-                                                                   layer_importance=(2.0, 1.0, 1.0)))
-    assert all(len(t) == 48 for t in split.tokens)
-    for a, b in zip(split.stats["reduction_final"], plain.stats["reduction_final"]):
-        assert 0.7 * b <= a <= 1.3 * b
+    if "layer_importance" in knobs:  # a real split (both kinds) runs and holds about the same memory
+        split = generate(m, _prompts(), gc, policy=dataclasses.replace(base, head_alloc="adakv",
+                                                                       layer_importance=(2.0, 1.0, 1.0)))
+        assert all(len(t) == 48 for t in split.tokens)
+        for a, b in zip(split.stats["reduction_final"], plain.stats["reduction_final"]):
+            assert 0.7 * b <= a <= 1.3 * b
 
 
 def test_full_budget_equals_dense():

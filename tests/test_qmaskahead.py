@@ -140,8 +140,9 @@ def test_question_aware_packed_run_matches_the_simulated_cache(alloc):
     assert packed_run.tokens == sim.tokens
     assert packed_run.stats["live_entries"] == sim.stats["live_entries"]
     assert packed_run.stats["evictions"] >= 2
-    plain = generate(m, _prompts((320, 250)), GC, policy=QMaskAhead(compact_dtype="float32", **SMALL))
-    assert packed_run.stats["kv_bytes_peak"][0] < plain.stats["kv_bytes_peak"][0]
+    if not alloc.get("head_alloc") == "adakv":  # the peak: once is enough
+        plain = generate(m, _prompts((320, 250)), GC, policy=QMaskAhead(compact_dtype="float32", **SMALL))
+        assert packed_run.stats["kv_bytes_peak"][0] < plain.stats["kv_bytes_peak"][0]
 
 
 def test_two_bit_and_bf16_runs_end_to_end():
@@ -397,11 +398,8 @@ def test_lazy_compaction_end_to_end():
     plain = dataclasses.replace(qa, compaction="requantize")
     c0, _ = qa.plan(320, 400, 32, 64)
     assert c0 >= plain.plan(320, 400, 32, 64)[0] + qa.eviction.prefill_capacity(320)
-    runs = {c: generate(m, _prompts((320, 250)), GC, policy=dataclasses.replace(qa, compaction=c))
-            for c in ("requantize", "lazy")}
-    assert runs["lazy"].stats["evictions"] >= 2
-    for a, r in zip(runs["lazy"].stats["kv_bytes_final"], runs["requantize"].stats["kv_bytes_final"]):
-        assert a >= r
+    lazy = generate(m, _prompts((200, 150)), GC, policy=qa)
+    assert lazy.stats["evictions"] >= 2 and all(len(t) == 64 for t in lazy.tokens)
     cfg = m.config
     gen = GC.resolve(cfg)
     for kw, msg in ((dict(compaction="eager"), "compaction must be"), (dict(repack_below=0.0), "repack_below"),
