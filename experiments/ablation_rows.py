@@ -7,33 +7,31 @@ against named reference rows: the ablation tables of docs/results.md "Beyond the
 Each run folder's results.jsonl is read (every row of it); a reference is FOLDER:POLICY[@CAPACITY].
 Scores are percentages (x 100); the suite mean is the mean over tasks of the task means (as the
 eval's summary); KV reduction end / peak are the means over examples of the per-example ratios;
-sign tests pair by example id, ties dropped (evaluation.stats.paired_sign_test). Prints JSON
-with --json.
+sign tests pair by example id, ties dropped (evaluation.stats.paired_sign_test). The scores and
+reductions are `maskahead eval`'s own summary (evaluation.sweep.summarize). Prints JSON with --json.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-from collections import defaultdict
-from pathlib import Path
-
-import numpy as np
 
 from maskahead_jax.evaluation.stats import paired_sign_test
+from maskahead_jax.evaluation.sweep import load_rows, summarize
 
 
-def load(folder: str) -> dict:
-    """{(policy, capacity): {id: row}} of one run folder."""
-    rows: dict = defaultdict(dict)
-    path = Path(folder) / "results.jsonl"
-    if not path.exists():
-        raise SystemExit(f"no results.jsonl in {folder}")
-    for line in path.read_text().splitlines():
-        if line.strip():
-            r = json.loads(line)
-            rows[(r["policy"], r["capacity"])][r["id"]] = r
+def load(folder: str) -> list[dict]:
+    """The rows of one run folder's results.jsonl (read only)."""
+    rows = load_rows(os.path.join(folder, "results.jsonl"), repair=False)
+    if not rows:
+        raise SystemExit(f"no result rows in {folder}")
     return rows
+
+
+def scores_of(rows, policy: str, capacity) -> dict:
+    """{example id: score} of one (policy, capacity) run."""
+    return {r["id"]: r["score"] for r in rows if r["policy"] == policy and r.get("capacity") == capacity}
 
 
 def parse_ref(spec: str):
@@ -46,16 +44,6 @@ def parse_ref(spec: str):
     return name, folder, pol, (float(cap) if cap else None)
 
 
-def summarize(rows: dict) -> dict:
-    by_task = defaultdict(list)
-    for r in rows.values():
-        by_task[r["dataset"]].append(100 * r["score"])
-    tasks = {t: float(np.mean(v)) for t, v in sorted(by_task.items())}
-    return dict(n=len(rows), mean=float(np.mean(list(tasks.values()))), tasks=tasks,
-                red_end=float(np.mean([r["reduction_final"] for r in rows.values()])),
-                red_peak=float(np.mean([r["reduction_peak"] for r in rows.values()])))
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("runs", nargs="+", help="run folders (results.jsonl)")
@@ -65,18 +53,18 @@ def main(argv=None) -> int:
     refs = {}
     for spec in a.ref:
         name, folder, pol, cap = parse_ref(spec)
-        got = load(folder).get((pol, cap))
-        if got is None:
+        refs[name] = scores_of(load(folder), pol, cap)
+        if not refs[name]:
             raise SystemExit(f"--ref {spec!r}: no rows of {pol} at capacity {cap} in {folder}")
-        refs[name] = {i: r["score"] for i, r in got.items()}
     out = []
     for folder in a.runs:
-        for (pol, cap), rows in sorted(load(folder).items(), key=lambda kv: (kv[0][0], kv[0][1] or 0)):
-            s = summarize(rows)
-            scores = {i: r["score"] for i, r in rows.items()}
-            s.update(run=folder, policy=pol, capacity=cap,
-                     tests={n: paired_sign_test(scores, ref) for n, ref in refs.items()})
-            out.append(s)
+        rows = load(folder)
+        for run in summarize(rows)["runs"]:  # the eval's own summary: scores, reductions
+            scores = scores_of(rows, run["policy"], run["capacity"])
+            out.append(dict(run=folder, policy=run["policy"], capacity=run["capacity"], n=run["n"],
+                            mean=run["score"], tasks=run["per_dataset"], red_end=run["reduction_final_mean"],
+                            red_peak=run["reduction_peak_mean"],
+                            tests={n: paired_sign_test(scores, ref) for n, ref in refs.items()}))
     if a.json:
         print(json.dumps(out, indent=1))
         return 0

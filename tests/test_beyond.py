@@ -113,7 +113,7 @@ def test_allocation_spreads_the_row_budget_over_layers_and_heads():
     its forced keeps; Eviction.evict keeps each lane's top entries by those counts."""
     from maskahead_jax.cache import empty
     from maskahead_jax.policies.eviction import Allocation
-    from maskahead_jax.policies.maskkv import layer_budgets
+    from maskahead_jax.policies.budgets import layer_budgets
 
     rng = np.random.RandomState(1)
     L, B, H, N, D = 3, 2, 4, 40, 4

@@ -61,7 +61,7 @@ import numpy as np
 
 from .. import memory
 from ..cache import KVCache
-from .budgets import (_floor, _spread, _xp, adakv_head_budgets, boundary_layers, head_budgets,  # noqa: F401
+from .budgets import (_xp, adakv_head_budgets, boundary_layers, head_budgets,  # noqa: F401 (public here too)
                       layer_budgets, pyramid_budgets)
 from .eviction import floor_percent
 from .protocol import BlockResult, Policy, PolicyError, StepContext

@@ -15,10 +15,10 @@ prefix mass pooled over the ctx.rows queries; ctx.queries: their pre-RoPE moment
                  cache.acc: each step 0 adds (its mask queries) x (their pooled mass), each
                  prefill chunk (its tokens) x (their pooled mass over the cache before it)
   CAOTE          H2O + CAOTE: h_i / (1 - h_i) * ||v_i - o||, h = acc normalised per lane
-  PooledVote     SnapKV: the probe's mass alone, max-pooled over `pool` neighbouring slots
-  Pooled         any scorer's scores max-pooled over `pool` neighbouring valid slots (ours, for
-                 MaskAhead: a kept entry keeps its neighbours, so a fact's later words survive
-                 with the word the masks attend to; docs/results.md "Beyond the paper")
+  Vote           the probe's mass alone (SnapKV's window vote)
+  Pooled         any scorer's scores max-pooled over `pool` neighbouring valid slots: SnapKV is
+                 Pooled(Vote(), pool); MaskAhead's evict_pool (ours) pools its value score, so a
+                 kept entry keeps its neighbours (docs/results.md "Beyond the paper")
 (Expected Attention's scorer, with its query moments, is in policies/expected_attention.py.)
 """
 from __future__ import annotations
@@ -129,18 +129,18 @@ def max_pool_1d(x: jax.Array, kernel: int) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class PooledVote(Scorer):
-    pool: int = 5
+class Vote(Scorer):
+    """The probe's mass alone (the step-0 mass when there is no probe): SnapKV's window vote,
+    pooled by `Pooled(Vote(), pool)`."""
 
     def scores(self, cache, mass0, probe):
-        a = mass0 if probe is None else probe  # the window queries' vote only
-        a = jnp.where(cache.valid, a.astype(jnp.float32), -jnp.inf)
-        return max_pool_1d(a, self.pool)
+        return mass0 if probe is None else probe
 
 
 @dataclasses.dataclass(frozen=True)
 class Pooled(Scorer):
-    """`inner`'s scores max-pooled over a centred window of `pool` slots (ours). Slots hold
+    """`inner`'s scores max-pooled over a centred window of `pool` slots: SnapKV's pooled vote
+    (`Pooled(Vote(), 5)`) and, ours, MaskAhead's `evict_pool` (ValueScore inside). Slots hold
     entries in position order, so the neighbours are the nearest kept positions (adjacent ones
     in a part of the cache nothing has been evicted from yet); invalid slots take no part."""
 
