@@ -63,6 +63,48 @@ def test_question_lookahead_probe_is_lookahead_plus_weighted_question_mass():
     assert probe.forwards == 2
 
 
+def test_hidden_question_probe_reads_no_cached_copy_of_the_question():
+    """hide_cached: the question's queries (Question, QuestionLookahead's question forward) read
+    the cache without the question's own entries [plen - tokens, plen); the lookahead's mask
+    blocks still read every entry; `hide_question` reaches the block probe ("blocks") or both
+    ("all")."""
+    from typing import NamedTuple
+
+    class Book(NamedTuple):
+        pos: jax.Array
+        valid: jax.Array
+
+    seen = []
+
+    def forward(cache, toks, pos, mask, rows):
+        seen.append(np.asarray(cache.valid))
+        return jnp.zeros(cache.valid.shape, jnp.float32)
+
+    L, N = 2, 24
+    pos = jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32), (L, 2, 1, N))
+    cache = Book(pos, jnp.broadcast_to(jnp.arange(N) < 22, (L, 2, 1, N)))
+    plen = jnp.asarray([20, 13], jnp.int32)
+    ctx = StepContext(forward=forward, prompt=jnp.zeros((2, 20), jnp.int32), plen=plen,
+                      n_pre=jnp.asarray([16, 8]), block_size=4, mask_id=3, capacity=N,
+                      active=jnp.asarray([True, True]), tokens=jnp.full((2, 4), 3, jnp.int32),
+                      start=jnp.asarray([24, 16], jnp.int32))
+    question = (np.arange(N)[None] >= np.asarray(plen)[:, None] - 5) & (np.arange(N)[None] < np.asarray(plen)[:, None])
+    want = np.asarray(cache.valid) & ~question[None, :, None, :]
+    Question(5, 3, hide_cached=True).mass(cache, ctx)
+    QuestionLookahead(5, 3, 2.0, hide_cached=True).mass(cache, ctx)
+    Question(5, 3).mass(cache, ctx)
+    assert np.array_equal(seen[0], want)  # Question: question + mask blocks, question hidden
+    assert np.array_equal(seen[1], np.asarray(cache.valid))  # the lookahead's blocks read all
+    assert np.array_equal(seen[2], want)  # QuestionLookahead's question forward
+    assert np.array_equal(seen[3], np.asarray(cache.valid))  # default: the cache as it is
+    ev = QuestionAwareMaskAhead(**SMALL, hide_question="all").eviction
+    assert ev.probe.hide_cached and ev.prefill_probe.hide_cached
+    ev = QuestionAwareMaskAhead(**SMALL, hide_question="blocks").eviction
+    assert ev.probe.hide_cached and not ev.prefill_probe.hide_cached
+    ev = QuestionAwareMaskAhead(**SMALL).eviction
+    assert not ev.probe.hide_cached and not ev.prefill_probe.hide_cached
+
+
 def test_policy_parts_and_knobs():
     ev = QuestionAwareMaskAhead(**SMALL).eviction
     assert ev.probe == QuestionLookahead(128, 3, 3.0) and not ev.pin_probe and ev.first_probe is None
@@ -292,5 +334,27 @@ def test_bad_settings_are_clear_errors():
         generate(m, [[1, 2, 3]], gc, policy=QuestionAwareMaskAhead(**SMALL, question_tokens=0))
     with pytest.raises(PolicyError, match="lookahead_blocks >= 2"):
         generate(m, [[1, 2, 3]], gc, policy=QuestionAwareMaskAhead(**dict(SMALL, lookahead_blocks=1)))
+    with pytest.raises(PolicyError, match="hide_question must be one of"):
+        generate(m, [[1, 2, 3]], gc, policy=QuestionAwareMaskAhead(**SMALL, hide_question="some"))
     with pytest.raises(PolicyError, match="question_weight must be >= 0"):
         generate(m, [[1, 2, 3]], gc, policy=QuestionAwareMaskAhead(**SMALL, question_weight=-1))
+
+
+def test_deferred_final_chunk_leaves_the_last_chunk_to_the_first_block():
+    """defer_final_chunk: bounded prefill never compacts after the prompt's final chunk, so a
+    prompt of one chunk runs the released schedule exactly; longer prompts keep bounded
+    prefill's peak (C + one chunk) and its end memory."""
+    m = tiny_model("sdar", num_layers=3)
+    gc = GenerationConfig(max_new_tokens=32, prefill_chunk=256, stop_at_eos=False)
+    one_chunk = _prompts()  # 150 and 97 tokens: one 256-token chunk each
+    pol = lambda **kw: QuestionAwareMaskAhead(**SMALL, question_tokens=12, **kw)
+    deferred = generate(m, one_chunk, gc, policy=pol(defer_final_chunk=True))
+    released = generate(m, one_chunk, gc, policy=pol(bounded_prefill=False))
+    assert [list(t) for t in deferred.tokens] == [list(t) for t in released.tokens]
+    assert deferred.stats["kv_bytes_peak"] == released.stats["kv_bytes_peak"]
+    gc = dataclasses.replace(gc, prefill_chunk=32)
+    deferred = generate(m, one_chunk, gc, policy=pol(defer_final_chunk=True))
+    bounded = generate(m, one_chunk, gc, policy=pol())
+    assert deferred.stats["kv_bytes_final"] == bounded.stats["kv_bytes_final"]
+    assert max(deferred.stats["kv_bytes_peak"]) <= max(bounded.stats["kv_bytes_peak"])
+    assert max(deferred.stats["kv_bytes_peak"]) < 0.8 * max(released.stats["kv_bytes_peak"])

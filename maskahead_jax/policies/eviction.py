@@ -214,6 +214,7 @@ class Eviction:
     prefill_probe: Any = None  # its probe (None: rank without one, e.g. by position)
     pin_prefill: bool = False  # keep prefill_probe's span (the question)
     prefill_slack: float = 1.0  # bounded prefill keeps slack x C(seen): room for what no probe asks yet
+    defer_final_chunk: bool = False  # bounded prefill leaves the prompt's final chunk to the first block
     timing: str = "deferred"  # deferred | end_of_block (see the module docstring)
     admit_final_first: bool = False  # end_of_block: compress the prompt after its final chunk
     allocation: Allocation = Allocation()  # how a row's budget is spread over layers / heads
@@ -346,6 +347,8 @@ class Eviction:
     def _bounded(self, cache, ctx: StepContext):
         cap = self.prefill_capacity(cache.seen)
         over = cache.length > cap
+        if self.defer_final_chunk:  # the first block's eviction (lookahead + question) ranks it
+            over = over & (ctx.start + ctx.appended < ctx.n_pre)
         keep = jnp.where(over, cap, cache.length)
 
         def evict(c):

@@ -186,6 +186,14 @@ class QuestionAwareMaskAhead(MaskAhead):
     prefill_slack    bounded prefill keeps prefill_slack x C(seen) entries (1: C(seen)), so
                      facts the question does not name (a second hop) survive until the first
                      block's lookahead can ask for them; the peak grows by (slack - 1) x C
+    defer_final_chunk  bounded prefill does not compact after the prompt's final chunk: the
+                     first block's eviction ranks that chunk and the C(seen) kept before it
+                     with the lookahead probe (facts near the question survive until the
+                     answer's masks can ask for them); the peak stays C + one chunk
+    hide_question    which question probes read the cache without the question's own entries
+                     (probes.Question.hide_cached; they still read their re-run copy): "none",
+                     "blocks" (the block evictions' QuestionLookahead), "all" (and bounded
+                     prefill's Question probe), so the question's mass goes to what it asks for
     """
 
     name = "maskahead-qa"
@@ -195,6 +203,8 @@ class QuestionAwareMaskAhead(MaskAhead):
     bounded_prefill: bool = True
     question_weight: float = 0.0
     prefill_slack: float = 1.0
+    defer_final_chunk: bool = False
+    hide_question: str = "none"
 
     @property
     def eviction(self) -> Optional[Eviction]:
@@ -204,11 +214,13 @@ class QuestionAwareMaskAhead(MaskAhead):
         m = self.lookahead_blocks
         if self.question_every:
             w = self.question_weight or float(m)
-            ev = dataclasses.replace(ev, probe=QuestionLookahead(self.question_tokens, m, w),
+            ev = dataclasses.replace(ev, probe=QuestionLookahead(self.question_tokens, m, w, self.hide_question != "none"),
                                      first_probe=None, pin_first=False, pin_probe=self.pin_question)
         if self.bounded_prefill:
-            ev = dataclasses.replace(ev, bounded_prefill=True, prefill_probe=Question(self.question_tokens, m),
-                                     pin_prefill=self.pin_question, prefill_slack=self.prefill_slack)
+            q = Question(self.question_tokens, m, self.hide_question == "all")
+            ev = dataclasses.replace(ev, bounded_prefill=True, prefill_probe=q,
+                                     pin_prefill=self.pin_question, prefill_slack=self.prefill_slack,
+                                     defer_final_chunk=self.defer_final_chunk)
         return ev
 
     def check_question(self) -> None:
@@ -221,6 +233,8 @@ class QuestionAwareMaskAhead(MaskAhead):
             raise PolicyError(f"question_weight must be >= 0, got {self.question_weight}")
         if not self.prefill_slack >= 1.0:
             raise PolicyError(f"prefill_slack must be >= 1, got {self.prefill_slack}")
+        if self.hide_question not in ("none", "blocks", "all"):
+            raise PolicyError(f"hide_question must be one of none|blocks|all, got {self.hide_question!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -115,12 +115,25 @@ class PromptWindow:
         return ctx.forward(cache, toks, idx.astype(jnp.int32), jnp.zeros((b, w, w), bool), rows)
 
 
+def _hide_question(probe, cache, ctx: StepContext):
+    """The cache without the question's own entries when `probe.hide_cached`. The probe re-runs
+    the question's tokens and attends to them in its own forward; once the prompt's last chunk
+    is stored the cache holds the same keys again, so each question query would read itself
+    twice and pile its mass on the question span instead of on what the question asks for.
+    Hidden entries get no mass from this probe (the lookahead's mask blocks still read them)."""
+    if not probe.hide_cached:
+        return cache
+    return cache._replace(valid=cache.valid & ~Question(probe.tokens, probe.blocks).span(cache, ctx))
+
+
 @dataclasses.dataclass(frozen=True)
 class Question:
     tokens: int = 64
     blocks: int = 4
+    hide_cached: bool = False  # the probe reads its own question, not the cached copy too
 
     def mass(self, cache, ctx: StepContext) -> jax.Array:
+        cache = _hide_question(self, cache, ctx)
         plen = ctx.plen
         b = plen.shape[0]
         q, bs, m = self.tokens, ctx.block_size, self.blocks
@@ -147,10 +160,12 @@ class QuestionLookahead:
     tokens: int = 128
     blocks: int = 4
     weight: float = 4.0
+    hide_cached: bool = False  # as Question.hide_cached, for the question's queries
     forwards: int = 2  # probe forwards per eviction (the engine's count)
 
     def question_mass(self, cache, ctx: StepContext) -> jax.Array:
         """[L, B, Hkv, N] the mass of the question's own queries (no mask blocks)."""
+        cache = _hide_question(self, cache, ctx)
         plen, q = ctx.plen, self.tokens
         b = plen.shape[0]
         qpos = jnp.maximum(plen[:, None] - q + jnp.arange(q)[None], 0).astype(jnp.int32)
