@@ -63,6 +63,33 @@ def test_question_lookahead_probe_is_lookahead_plus_weighted_question_mass():
     assert probe.forwards == 2
 
 
+def test_question_masks_probe_forwards_the_question_with_its_mask_blocks():
+    """with_masks: the question forward of QuestionLookahead is Question's (the question, then
+    blocks - 1 mask blocks after it), divided by blocks; mass = lookahead + weight * that."""
+    L, B, H, N = 2, 2, 1, 12
+    calls = []
+
+    def forward(cache, toks, pos, mask, rows):
+        calls.append((np.asarray(toks), np.asarray(pos)))
+        base = np.asarray(toks).sum(1) + 3 * np.asarray(pos).sum(1)
+        return jnp.asarray(np.broadcast_to((base[None, :, None, None] + np.arange(N)) % 17, (L, B, H, N)),
+                           jnp.float32)
+
+    prompt = jnp.asarray(np.arange(40).reshape(2, 20) + 100, jnp.int32)
+    ctx = StepContext(forward=forward, prompt=prompt, plen=jnp.asarray([20, 13], jnp.int32),
+                      n_pre=jnp.asarray([16, 8]), block_size=4, mask_id=3, capacity=N,
+                      active=jnp.asarray([True, True]), tokens=jnp.full((2, 4), 3, jnp.int32),
+                      start=jnp.asarray([24, 16], jnp.int32))
+    got = np.asarray(QuestionLookahead(5, 3, 2.5, with_masks=True).mass(None, ctx))
+    toks, pos = calls[1]
+    assert toks.shape == (2, 5 + 2 * 4) and (toks[:, 5:] == 3).all()  # question + 2 mask blocks
+    assert pos[0].tolist() == list(range(15, 20 + 8)) and pos[1].tolist() == list(range(8, 13 + 8))
+    la = np.asarray(Lookahead(3).mass(None, ctx))
+    q = np.asarray(Question(5, 3).mass(None, ctx)) / 3
+    np.testing.assert_allclose(got, la + 2.5 * q, rtol=1e-6)
+    assert QuestionAwareMaskAhead(**SMALL, question_masks=True).eviction.probe.with_masks
+
+
 def test_hidden_question_probe_reads_no_cached_copy_of_the_question():
     """hide_cached: the question's queries (Question, QuestionLookahead's question forward) read
     the cache without the question's own entries [plen - tokens, plen); the lookahead's mask

@@ -194,6 +194,9 @@ class QuestionAwareMaskAhead(MaskAhead):
                      (probes.Question.hide_cached; they still read their re-run copy): "none",
                      "blocks" (the block evictions' QuestionLookahead), "all" (and bounded
                      prefill's Question probe), so the question's mass goes to what it asks for
+    question_masks   True: the block evictions' question forward carries the mask blocks after
+                     the question, as bounded prefill's probe does (what an answer to the
+                     question reads, not only what the question's own tokens read)
     """
 
     name = "maskahead-qa"
@@ -205,6 +208,7 @@ class QuestionAwareMaskAhead(MaskAhead):
     prefill_slack: float = 1.0
     defer_final_chunk: bool = False
     hide_question: str = "none"
+    question_masks: bool = False
 
     @property
     def eviction(self) -> Optional[Eviction]:
@@ -214,7 +218,8 @@ class QuestionAwareMaskAhead(MaskAhead):
         m = self.lookahead_blocks
         if self.question_every:
             w = self.question_weight or float(m)
-            ev = dataclasses.replace(ev, probe=QuestionLookahead(self.question_tokens, m, w, self.hide_question != "none"),
+            ev = dataclasses.replace(ev, probe=QuestionLookahead(self.question_tokens, m, w, self.hide_question != "none",
+                                                                     self.question_masks),
                                      first_probe=None, pin_first=False, pin_probe=self.pin_question)
         if self.bounded_prefill:
             q = Question(self.question_tokens, m, self.hide_question == "all")

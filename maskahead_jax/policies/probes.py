@@ -161,10 +161,14 @@ class QuestionLookahead:
     blocks: int = 4
     weight: float = 4.0
     hide_cached: bool = False  # as Question.hide_cached, for the question's queries
+    with_masks: bool = False  # the question forward carries blocks - 1 mask blocks (Question's)
     forwards: int = 2  # probe forwards per eviction (the engine's count)
 
     def question_mass(self, cache, ctx: StepContext) -> jax.Array:
-        """[L, B, Hkv, N] the mass of the question's own queries (no mask blocks)."""
+        """[L, B, Hkv, N] the mass of the question's own queries (no mask blocks), or with
+        `with_masks` of the question and the mask blocks after it (Question's forward, / blocks)."""
+        if self.with_masks:
+            return Question(self.tokens, self.blocks, self.hide_cached).mass(cache, ctx) / self.blocks
         cache = _hide_question(self, cache, ctx)
         plen, q = ctx.plen, self.tokens
         b = plen.shape[0]
