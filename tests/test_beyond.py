@@ -132,6 +132,44 @@ def test_hidden_question_probe_reads_no_cached_copy_of_the_question():
     assert not ev.probe.hide_cached and not ev.prefill_probe.hide_cached
 
 
+def test_step0_weight_scales_the_block_evictions_step0_mass():
+    """Eviction.step0_weight w: a block eviction with step-0 mass M keeps what the released rule
+    (w = 1) keeps with mass w x M; w = 0 ranks by the probe alone. `step0_weight` reaches it."""
+    from maskahead_jax.cache.float_cache import empty
+    from maskahead_jax.policies.eviction import Budget, ForcedKeeps
+    from maskahead_jax.policies.scorers import ValueScore
+
+    L, B, H, N, D = 2, 2, 2, 40, 8
+    rng = np.random.RandomState(0)
+    k, v = (jnp.asarray(rng.randn(L, B, H, N, D), jnp.float32) for _ in range(2))
+    cache = empty(L, B, H, N, D, jnp.float32).append(k, v, jnp.broadcast_to(jnp.arange(N), (B, N)),
+                                                      jnp.full((B,), N, jnp.int32))
+    mass = jnp.asarray(rng.rand(L, B, H, N), jnp.float32)
+    probe_mass = jnp.asarray(rng.rand(L, B, H, N), jnp.float32)
+
+    @dataclasses.dataclass(frozen=True)
+    class FixedProbe:
+        def mass(self, cache, ctx):
+            return probe_mass
+
+        def span(self, cache, ctx):
+            return jnp.zeros(cache.valid.shape, bool)
+
+    def kept(w, m):
+        ev = Eviction(Budget(pct=25.0, floor=4), ValueScore(), ForcedKeeps(sinks=0, recent=0),
+                      probe=FixedProbe(), interval_blocks=1, step0_weight=w)
+        ctx = StepContext(forward=None, prompt=None, plen=None, n_pre=None, block_size=4, mask_id=0,
+                          capacity=N, active=jnp.ones((B,), bool), due=jnp.ones((B,), bool), mass=m)
+        out, done, _ = ev.at_block(cache, ctx)
+        assert bool(done)
+        return np.where(np.asarray(out.valid), np.asarray(out.pos), -1)
+
+    assert np.array_equal(kept(0.0, mass), kept(1.0, jnp.zeros_like(mass)))
+    assert np.array_equal(kept(3.0, mass), kept(1.0, 3.0 * mass))
+    assert not np.array_equal(kept(0.0, mass), kept(1.0, mass))
+    assert QuestionAwareMaskAhead(**SMALL, step0_weight=0.0).eviction.step0_weight == 0.0
+
+
 def test_policy_parts_and_knobs():
     ev = QuestionAwareMaskAhead(**SMALL).eviction
     assert ev.probe == QuestionLookahead(128, 3, 3.0) and not ev.pin_probe and ev.first_probe is None
@@ -361,6 +399,8 @@ def test_bad_settings_are_clear_errors():
         generate(m, [[1, 2, 3]], gc, policy=QuestionAwareMaskAhead(**SMALL, question_tokens=0))
     with pytest.raises(PolicyError, match="lookahead_blocks >= 2"):
         generate(m, [[1, 2, 3]], gc, policy=QuestionAwareMaskAhead(**dict(SMALL, lookahead_blocks=1)))
+    with pytest.raises(PolicyError, match="step0_weight must be >= 0"):
+        generate(m, [[1, 2, 3]], gc, policy=QuestionAwareMaskAhead(**SMALL, step0_weight=-1))
     with pytest.raises(PolicyError, match="hide_question must be one of"):
         generate(m, [[1, 2, 3]], gc, policy=QuestionAwareMaskAhead(**SMALL, hide_question="some"))
     with pytest.raises(PolicyError, match="question_weight must be >= 0"):

@@ -215,6 +215,7 @@ class Eviction:
     pin_prefill: bool = False  # keep prefill_probe's span (the question)
     prefill_slack: float = 1.0  # bounded prefill keeps slack x C(seen): room for what no probe asks yet
     defer_final_chunk: bool = False  # bounded prefill leaves the prompt's final chunk to the first block
+    step0_weight: float = 1.0  # block evictions rank by step0_weight x step-0 mass + probe mass
     timing: str = "deferred"  # deferred | end_of_block (see the module docstring)
     admit_final_first: bool = False  # end_of_block: compress the prompt after its final chunk
     allocation: Allocation = Allocation()  # how a row's budget is spread over layers / heads
@@ -290,10 +291,14 @@ class Eviction:
         pin = (ctx.first and self.first_probe is not None and self.pin_first) or (
             self.pin_probe and probe is self.probe and probe is not None)
 
+        mass0 = ctx.mass
+        if self.step0_weight != 1.0 and mass0 is not None:
+            mass0 = self.step0_weight * mass0
+
         def evict(c):
             pm = probe.mass(c, ctx) if probe is not None else None
             pinned = probe.span(c, ctx) if pin else None
-            return self.compact(c, ctx.mass, pm, rows, ctx.capacity, pinned)
+            return self.compact(c, mass0, pm, rows, ctx.capacity, pinned)
 
         cache = jax.lax.cond(do, evict, lambda c: c.resize(ctx.capacity), cache)
         n_fwd = 0 if probe is None else getattr(probe, "forwards", 1)

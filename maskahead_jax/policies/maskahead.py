@@ -197,6 +197,8 @@ class QuestionAwareMaskAhead(MaskAhead):
     question_masks   True: the block evictions' question forward carries the mask blocks after
                      the question, as bounded prefill's probe does (what an answer to the
                      question reads, not only what the question's own tokens read)
+    step0_weight     the weight of the current block's step-0 mass in block evictions (1: the
+                     released ranking; 0: the probes alone, as bounded prefill ranks)
     """
 
     name = "maskahead-qa"
@@ -209,6 +211,7 @@ class QuestionAwareMaskAhead(MaskAhead):
     defer_final_chunk: bool = False
     hide_question: str = "none"
     question_masks: bool = False
+    step0_weight: float = 1.0
 
     @property
     def eviction(self) -> Optional[Eviction]:
@@ -216,6 +219,8 @@ class QuestionAwareMaskAhead(MaskAhead):
         if ev is None or self.question_tokens <= 0:
             return ev
         m = self.lookahead_blocks
+        if self.step0_weight != 1.0:
+            ev = dataclasses.replace(ev, step0_weight=self.step0_weight)
         if self.question_every:
             w = self.question_weight or float(m)
             ev = dataclasses.replace(ev, probe=QuestionLookahead(self.question_tokens, m, w, self.hide_question != "none",
@@ -238,6 +243,8 @@ class QuestionAwareMaskAhead(MaskAhead):
             raise PolicyError(f"question_weight must be >= 0, got {self.question_weight}")
         if not self.prefill_slack >= 1.0:
             raise PolicyError(f"prefill_slack must be >= 1, got {self.prefill_slack}")
+        if not self.step0_weight >= 0:
+            raise PolicyError(f"step0_weight must be >= 0, got {self.step0_weight}")
         if self.hide_question not in ("none", "blocks", "all"):
             raise PolicyError(f"hide_question must be one of none|blocks|all, got {self.hide_question!r}")
 
