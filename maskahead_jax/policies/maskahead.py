@@ -199,6 +199,7 @@ class QuestionAwareMaskAhead(MaskAhead):
                      question reads, not only what the question's own tokens read)
     step0_weight     the weight of the current block's step-0 mass in block evictions (1: the
                      released ranking; 0: the probes alone, as bounded prefill ranks)
+    The last four were measured on the testbed (docs/results.md §2c-3): none beats the defaults.
     """
 
     name = "maskahead-qa"
@@ -223,9 +224,10 @@ class QuestionAwareMaskAhead(MaskAhead):
             ev = dataclasses.replace(ev, step0_weight=self.step0_weight)
         if self.question_every:
             w = self.question_weight or float(m)
-            ev = dataclasses.replace(ev, probe=QuestionLookahead(self.question_tokens, m, w, self.hide_question != "none",
-                                                                     self.question_masks),
-                                     first_probe=None, pin_first=False, pin_probe=self.pin_question)
+            probe = QuestionLookahead(self.question_tokens, m, w, hide_cached=self.hide_question != "none",
+                                      with_masks=self.question_masks)
+            ev = dataclasses.replace(ev, probe=probe, first_probe=None, pin_first=False,
+                                     pin_probe=self.pin_question)
         if self.bounded_prefill:
             q = Question(self.question_tokens, m, self.hide_question == "all")
             ev = dataclasses.replace(ev, bounded_prefill=True, prefill_probe=q,

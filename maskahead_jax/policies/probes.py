@@ -118,9 +118,10 @@ class PromptWindow:
 def _hide_question(probe, cache, ctx: StepContext):
     """The cache without the question's own entries when `probe.hide_cached`. The probe re-runs
     the question's tokens and attends to them in its own forward; once the prompt's last chunk
-    is stored the cache holds the same keys again, so each question query would read itself
-    twice and pile its mass on the question span instead of on what the question asks for.
-    Hidden entries get no mass from this probe (the lookahead's mask blocks still read them)."""
+    is stored the cache holds the same keys again, so each question query reads its own span
+    twice. Hidden entries get no mass from this probe (a lookahead's mask blocks still read
+    them). Measured to lose the long answer when bounded prefill's probe hides them: that probe
+    is then the only thing that could keep the question (docs/results.md §2c-3)."""
     if not probe.hide_cached:
         return cache
     return cache._replace(valid=cache.valid & ~Question(probe.tokens, probe.blocks).span(cache, ctx))
