@@ -168,6 +168,9 @@ def test_step0_weight_scales_the_block_evictions_step0_mass():
     assert np.array_equal(kept(3.0, mass), kept(1.0, 3.0 * mass))
     assert not np.array_equal(kept(0.0, mass), kept(1.0, mass))
     assert QuestionAwareMaskAhead(**SMALL, step0_weight=0.0).eviction.step0_weight == 0.0
+    first = QuestionAwareMaskAhead(**SMALL, first_block_probe="question")
+    assert first.eviction.first_probe == first.eviction.prefill_probe == Question(128, 3)
+    assert first.first_block_special and not QuestionAwareMaskAhead(**SMALL).first_block_special
 
 
 def test_policy_parts_and_knobs():
@@ -401,6 +404,8 @@ def test_bad_settings_are_clear_errors():
         generate(m, [[1, 2, 3]], gc, policy=QuestionAwareMaskAhead(**dict(SMALL, lookahead_blocks=1)))
     with pytest.raises(PolicyError, match="step0_weight must be >= 0"):
         generate(m, [[1, 2, 3]], gc, policy=QuestionAwareMaskAhead(**SMALL, step0_weight=-1))
+    with pytest.raises(PolicyError, match="first_block_probe must be"):
+        generate(m, [[1, 2, 3]], gc, policy=QuestionAwareMaskAhead(**SMALL, first_block_probe="x"))
     with pytest.raises(PolicyError, match="hide_question must be one of"):
         generate(m, [[1, 2, 3]], gc, policy=QuestionAwareMaskAhead(**SMALL, hide_question="some"))
     with pytest.raises(PolicyError, match="question_weight must be >= 0"):

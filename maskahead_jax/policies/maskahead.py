@@ -199,7 +199,10 @@ class QuestionAwareMaskAhead(MaskAhead):
                      question reads, not only what the question's own tokens read)
     step0_weight     the weight of the current block's step-0 mass in block evictions (1: the
                      released ranking; 0: the probes alone, as bounded prefill ranks)
-    The last four were measured on the testbed (docs/results.md §2c-3): none beats the defaults.
+    first_block_probe  "lookahead": the first block's eviction probes as every block's does;
+                     "question": with bounded prefill's probe (the question and its mask blocks),
+                     so with step0_weight=0 it ranks as bounded prefill ranks, once
+    The last five were measured on the testbed (docs/results.md §2c-3): none beats the defaults.
     """
 
     name = "maskahead-qa"
@@ -213,6 +216,7 @@ class QuestionAwareMaskAhead(MaskAhead):
     hide_question: str = "none"
     question_masks: bool = False
     step0_weight: float = 1.0
+    first_block_probe: str = "lookahead"
 
     @property
     def eviction(self) -> Optional[Eviction]:
@@ -228,6 +232,8 @@ class QuestionAwareMaskAhead(MaskAhead):
                                       with_masks=self.question_masks)
             ev = dataclasses.replace(ev, probe=probe, first_probe=None, pin_first=False,
                                      pin_probe=self.pin_question)
+        if self.first_block_probe == "question":
+            ev = dataclasses.replace(ev, first_probe=Question(self.question_tokens, m, self.hide_question == "all"))
         if self.bounded_prefill:
             q = Question(self.question_tokens, m, self.hide_question == "all")
             ev = dataclasses.replace(ev, bounded_prefill=True, prefill_probe=q,
@@ -247,6 +253,8 @@ class QuestionAwareMaskAhead(MaskAhead):
             raise PolicyError(f"prefill_slack must be >= 1, got {self.prefill_slack}")
         if not self.step0_weight >= 0:
             raise PolicyError(f"step0_weight must be >= 0, got {self.step0_weight}")
+        if self.first_block_probe not in ("lookahead", "question"):
+            raise PolicyError(f"first_block_probe must be lookahead|question, got {self.first_block_probe!r}")
         if self.hide_question not in ("none", "blocks", "all"):
             raise PolicyError(f"hide_question must be one of none|blocks|all, got {self.hide_question!r}")
 
