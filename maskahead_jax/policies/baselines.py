@@ -38,7 +38,7 @@ from .eviction import Eviction, ForcedKeeps, budget_of, check_budget
 from .maskahead import check_pct, check_positive
 from .probes import PromptWindow
 from .protocol import PolicyError
-from .scorers import CAOTE as CAOTEScore, Accumulated, Pooled, PositionScore, Vote, caote_scores, max_pool_1d
+from .scorers import CAOTE as CAOTEScore, Accumulated, Pooled, PositionScore, ProbeMass, caote_scores, max_pool_1d
 from .selection import Selector
 
 
@@ -155,7 +155,7 @@ class SnapKV(SelectKnobs, ComposedPolicy):
 
     @property
     def eviction(self) -> Eviction:
-        return Eviction(budget_of(self), Pooled(Vote(), self.pool), ForcedKeeps(self.sinks, self.window),
+        return Eviction(budget_of(self), Pooled(ProbeMass(), self.pool), ForcedKeeps(self.sinks, self.window),
                         probe=PromptWindow(self.window), timing="end_of_block", admit_final_first=True)
 
     def on_prompt(self, cache, vote, plen):

@@ -224,6 +224,7 @@ class QuestionAwareMaskAhead(MaskAhead):
         if ev is None or self.question_tokens <= 0:
             return ev
         m = self.lookahead_blocks
+        question = Question(self.question_tokens, m, self.hide_question == "all")  # bounded prefill's probe
         if self.step0_weight != 1.0:
             ev = dataclasses.replace(ev, step0_weight=self.step0_weight)
         if self.question_every:
@@ -233,10 +234,9 @@ class QuestionAwareMaskAhead(MaskAhead):
             ev = dataclasses.replace(ev, probe=probe, first_probe=None, pin_first=False,
                                      pin_probe=self.pin_question)
         if self.first_block_probe == "question":
-            ev = dataclasses.replace(ev, first_probe=Question(self.question_tokens, m, self.hide_question == "all"))
+            ev = dataclasses.replace(ev, first_probe=question)
         if self.bounded_prefill:
-            q = Question(self.question_tokens, m, self.hide_question == "all")
-            ev = dataclasses.replace(ev, bounded_prefill=True, prefill_probe=q,
+            ev = dataclasses.replace(ev, bounded_prefill=True, prefill_probe=question,
                                      pin_prefill=self.pin_question, prefill_slack=self.prefill_slack,
                                      defer_final_chunk=self.defer_final_chunk)
         return ev

@@ -9,15 +9,14 @@ prefix mass pooled over the ctx.rows queries; ctx.queries: their pre-RoPE moment
 
   ValueScore     MaskAhead: A_i * ||v_i - c||, A = mass0 + probe, c = sum A_i v_i / sum A_i
   MassScore      A_i alone (the MAGE-like ranking)
-  ProbeMass      DapQ: the probe's mass alone (no step-0 term)
+  ProbeMass      DapQ, SnapKV: the probe's mass alone (no step-0 term)
   PositionScore  StreamingLLM: newest first (sinks / recent are forced keeps)
   Accumulated    H2O: the attention every query gave an entry since it entered the cache, in
                  cache.acc: each step 0 adds (its mask queries) x (their pooled mass), each
                  prefill chunk (its tokens) x (their pooled mass over the cache before it)
   CAOTE          H2O + CAOTE: h_i / (1 - h_i) * ||v_i - o||, h = acc normalised per lane
-  Vote           the probe's mass alone (SnapKV's window vote)
   Pooled         any scorer's scores max-pooled over `pool` neighbouring valid slots: SnapKV is
-                 Pooled(Vote(), pool); MaskAhead's evict_pool (ours) pools its value score, so a
+                 Pooled(ProbeMass(), pool), its window's vote pooled; MaskAhead's evict_pool (ours) pools its value score, so a
                  kept entry keeps its neighbours (docs/results.md "Beyond the paper")
 (Expected Attention's scorer, with its query moments, is in policies/expected_attention.py.)
 """
@@ -129,18 +128,9 @@ def max_pool_1d(x: jax.Array, kernel: int) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class Vote(Scorer):
-    """The probe's mass alone (the step-0 mass when there is no probe): SnapKV's window vote,
-    pooled by `Pooled(Vote(), pool)`."""
-
-    def scores(self, cache, mass0, probe):
-        return mass0 if probe is None else probe
-
-
-@dataclasses.dataclass(frozen=True)
 class Pooled(Scorer):
     """`inner`'s scores max-pooled over a centred window of `pool` slots: SnapKV's pooled vote
-    (`Pooled(Vote(), 5)`) and, ours, MaskAhead's `evict_pool` (ValueScore inside). Slots hold
+    (`Pooled(ProbeMass(), 5)`) and, ours, MaskAhead's `evict_pool` (ValueScore inside). Slots hold
     entries in position order, so the neighbours are the nearest kept positions (adjacent ones
     in a part of the cache nothing has been evicted from yet); invalid slots take no part."""
 
