@@ -92,6 +92,48 @@ def test_attend_tpu_kernel_packed_context_matches_reference(bits):
     np.testing.assert_allclose(np.asarray(stats.mass), np.asarray(want_stats.mass), atol=1e-5)
 
 
+def test_max_pooled_statistics_by_hand_and_through_any_implementation():
+    """pool="max": each key's mass is the largest prefix-softmax probability a selected row (and
+    query head) gives it, by hand in numpy; `stat_pool("max")` makes `attend` compute exactly that
+    whatever implementation is chosen (the kernels pool by the mean only), float and packed."""
+    q, kc, vc, valid, kb, vb, blk, rows = _operands(s=64, d=32)
+    lg = np.einsum("bhgtd,bhsd->bhgts", np.asarray(q), np.asarray(kc)) / np.sqrt(q.shape[-1])
+    lg = np.where(np.asarray(valid)[:, :, None, None], lg, -np.inf)
+    p = np.exp(lg - lg.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    want = (p * np.asarray(rows)[:, None, None, :, None]).max(axis=(2, 3))
+    out_mean, mean = reference.attention(q, kc, vc, valid, kb, vb, blk, rows)
+    _, stats = reference.attention(q, kc, vc, valid, kb, vb, blk, rows, pool="max")
+    np.testing.assert_allclose(np.asarray(stats.mass), want, atol=1e-6)
+    _, both = reference.attention(q, kc, vc, valid, kb, vb, blk, rows, pool="mean+max")
+    np.testing.assert_allclose(np.asarray(both.mass), np.asarray(mean.mass) + want / want.sum(-1, keepdims=True),
+                               atol=1e-6)
+    # max_joint: the same max over the joint softmax of [context | block] (the block's keys dilute it)
+    lb = np.einsum("bhgtd,bhsd->bhgts", np.asarray(q), np.asarray(kb)) / np.sqrt(q.shape[-1])
+    lb = np.where(np.asarray(blk)[:, None, None], lb, -np.inf)
+    full = np.concatenate([lg, lb], -1)
+    pj = np.exp(full - full.max(-1, keepdims=True))
+    pj = (pj / pj.sum(-1, keepdims=True))[..., :lg.shape[-1]]
+    _, joint = reference.attention(q, kc, vc, valid, kb, vb, blk, rows, pool="max_joint")
+    np.testing.assert_allclose(np.asarray(joint.mass), (pj * np.asarray(rows)[:, None, None, :, None]).max(axis=(2, 3)),
+                               atol=1e-6)
+    np.testing.assert_allclose(np.asarray(stats.score), np.asarray(reference.value_score(stats.mass, vc)),
+                               rtol=1e-6)
+    with attention.use("pallas_tpu", interpret=True), attention.stat_pool("max"):
+        out, got = attention.attend(q, (kc, vc, valid), kb, vb, blk, rows)
+    np.testing.assert_allclose(np.asarray(got.mass), want, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(out_mean), atol=1e-6)  # the output is pooling-free
+    packed = quant.quantize_kv(kc, vc, 4)
+    _, want_q = quant_reference.attention_quant(q, packed, valid, kb, vb, blk, rows, pool="max")
+    with attention.stat_pool("max"):
+        _, got_q = attention.attend(q, (packed, None, valid), kb, vb, blk, rows)
+    np.testing.assert_allclose(np.asarray(got_q.mass), np.asarray(want_q.mass), atol=1e-6)
+    assert attention._POOL.get() == "mean"  # the scope closes
+    with pytest.raises(ValueError, match="pool must be one of"):
+        with attention.stat_pool("sum"):
+            pass
+
+
 @pytest.mark.parametrize("policy", ["dense", "maskahead"])
 def test_generate_with_kernels_matches_reference(policy, monkeypatch):
     """The whole engine (prefill chunks, step-0 scoring, eviction, selection, commit forwards)

@@ -132,6 +132,95 @@ def test_hidden_question_probe_reads_no_cached_copy_of_the_question():
     assert not ev.probe.hide_cached and not ev.prefill_probe.hide_cached
 
 
+def test_question_pool_max_reaches_the_question_forwards_only():
+    """question_pool="max": bounded prefill's Question probe and the block probe's question
+    forward run inside stat_pool("max") (reference.prefix_mass's max over rows); the lookahead's
+    forward keeps the mean."""
+    from maskahead_jax.kernels import attention
+
+    pools = []
+
+    def forward(cache, toks, pos, mask, rows):
+        pools.append(attention._POOL.get())
+        return jnp.zeros((1, 2, 1, 8), jnp.float32)
+
+    ctx = StepContext(forward=forward, prompt=jnp.zeros((2, 20), jnp.int32), plen=jnp.asarray([20, 13]),
+                      n_pre=jnp.asarray([16, 8]), block_size=4, mask_id=3, capacity=8,
+                      active=jnp.asarray([True, True]), tokens=jnp.full((2, 4), 3, jnp.int32),
+                      start=jnp.asarray([24, 16], jnp.int32))
+    ev = QuestionAwareMaskAhead(**SMALL, question_pool="max").eviction
+    assert ev.prefill_probe.pool == "max" and ev.probe.pool == "max"
+    ev.prefill_probe.mass(None, ctx)
+    ev.probe.mass(None, ctx)
+    dataclasses.replace(ev.probe, with_masks=True).mass(None, ctx)
+    QuestionAwareMaskAhead(**SMALL).eviction.probe.mass(None, ctx)
+    assert pools == ["max", "mean", "max", "mean", "max", "mean", "mean"]
+    assert attention._POOL.get() == "mean"
+
+
+def test_question_probe_reads_a_draft_in_its_answer_blocks():
+    """draft: bounded prefill's question probe puts ctx.draft (a first pass's answer) at the
+    answer's positions after the prompt, then masks to a whole number of blocks (at least
+    blocks - 1); without ctx.draft, or without the flag, the answer blocks are all masks."""
+    calls = []
+
+    def forward(cache, toks, pos, mask, rows):
+        calls.append((np.asarray(toks), np.asarray(pos), np.asarray(rows)))
+        return jnp.zeros((1, 2, 1, 8), jnp.float32)
+
+    base = dict(forward=forward, prompt=jnp.asarray(np.arange(40).reshape(2, 20) + 100, jnp.int32),
+                plen=jnp.asarray([20, 13], jnp.int32), n_pre=jnp.asarray([16, 8]), block_size=4, mask_id=3,
+                capacity=8, active=jnp.asarray([True, True]))
+    short = jnp.asarray([[50, 51, 52, 3, 3], [60, 61, 3, 3, 3]], jnp.int32)  # row 1 ended early
+    Question(5, 3, draft=True).mass(None, StepContext(**base, draft=short))
+    toks, pos, rows = calls[-1]
+    assert toks.shape == (2, 5 + 8) and rows.all()
+    assert toks[0, 5:].tolist() == [50, 51, 52, 3, 3, 3, 3, 3] and toks[1, 5:].tolist() == [60, 61] + [3] * 6
+    assert pos[0, 5:].tolist() == list(range(20, 28)) and pos[1, 5:].tolist() == list(range(13, 21))
+    long = jnp.asarray(np.arange(2 * 10).reshape(2, 10) + 200, jnp.int32)  # 10 > 2 blocks: 3 blocks
+    Question(5, 3, draft=True).mass(None, StepContext(**base, draft=long))
+    toks, pos, _ = calls[-1]
+    assert toks.shape == (2, 5 + 12) and toks[0, 5:15].tolist() == list(range(200, 210))
+    assert (toks[:, 15:] == 3).all() and pos[1, 5:].tolist() == list(range(13, 25))
+    Question(5, 3, draft=True).mass(None, StepContext(**base))  # no draft: masks
+    Question(5, 3).mass(None, StepContext(**base, draft=short))  # not asked: masks
+    for toks, _, _ in calls[-2:]:
+        assert toks.shape == (2, 13) and (toks[:, 5:] == 3).all()
+
+
+def test_draft_pass_feeds_the_first_pass_answer_to_bounded_prefill():
+    """draft_tokens=n: generate first runs the policy without a draft for n new tokens, then the
+    real run's hooks read those tokens (mask id after a row's end) as ctx.draft; the first
+    pass's forwards are added to the run's, and its peak counts."""
+    m = tiny_model("sdar", num_layers=2)
+    prompts = _prompts((70, 45))
+    gc = GenerationConfig(max_new_tokens=16, prefill_chunk=32, stop_at_eos=False)
+    seen = []
+
+    @dataclasses.dataclass(frozen=True)
+    class Spy(QuestionAwareMaskAhead):
+        def on_prefill_chunk(self, cache, ctx):
+            if ctx.draft is not None:
+                jax.debug.callback(lambda d: seen.append(np.asarray(d)), ctx.draft)
+            return super().on_prefill_chunk(cache, ctx)
+
+    pol = Spy(**SMALL, question_tokens=12, draft_tokens=8)
+    n, first = pol.draft_pass()
+    assert n == 8 and first == dataclasses.replace(pol, draft_tokens=0) and first.draft_pass() is None
+    assert pol.eviction.prefill_probe.draft and not first.eviction.prefill_probe.draft
+    out = generate(m, prompts, gc, policy=pol)
+    want = generate(m, prompts, dataclasses.replace(gc, max_new_tokens=8), policy=first)
+    assert seen, "the second pass's prefill hooks saw no draft"
+    for d in seen:  # every chunk of the second pass read the first pass's answer
+        for row, toks in zip(d, want.tokens):
+            assert row[:len(toks)].tolist() == toks and (row[len(toks):] == m.config.mask_token_id).all()
+    st = out.stats
+    assert st["draft"]["nfe"] == want.stats["nfe"] and st["draft"]["tokens"] == [len(t) for t in want.tokens]
+    assert all(a > b for a, b in zip(st["nfe"], want.stats["nfe"]))
+    assert all(p >= q for p, q in zip(st["kv_bytes_peak"], want.stats["kv_bytes_peak"]))
+    assert len(out.tokens[0]) == 16
+
+
 def test_step0_weight_scales_the_block_evictions_step0_mass():
     """Eviction.step0_weight w: a block eviction with step-0 mass M keeps what the released rule
     (w = 1) keeps with mass w x M; w = 0 ranks by the probe alone. `step0_weight` reaches it."""
@@ -395,6 +484,23 @@ def test_prefill_slack_keeps_more_while_prefilling_and_nothing_more_after():
         generate(m, prompts, gc, policy=QuestionAwareMaskAhead(**SMALL, prefill_slack=0.5))
 
 
+def test_prefill_budget_prompt_keeps_the_whole_prompts_budget_from_the_first_chunk():
+    """prefill_budget="prompt": bounded prefill ranks every chunk against C(stored prompt), not
+    C(seen so far): a higher peak (C(prompt) + a chunk instead of C(seen) + a chunk) and the same
+    end memory (the first block evicts to C(seen)); a prompt stored in one chunk is unchanged."""
+    m = tiny_model("sdar", num_layers=2)
+    gc = GenerationConfig(max_new_tokens=16, prefill_chunk=32, stop_at_eos=False)
+    knobs = dict(SMALL, capacity_pct=40, question_tokens=12)
+    run = lambda prompts, b: generate(m, prompts, gc, policy=QuestionAwareMaskAhead(**knobs, prefill_budget=b))
+    seen, whole = run(_prompts(), "seen"), run(_prompts(), "prompt")
+    assert all(w > s for w, s in zip(whole.stats["kv_bytes_peak"], seen.stats["kv_bytes_peak"]))
+    assert whole.stats["kv_bytes_final"] == seen.stats["kv_bytes_final"]
+    one = _prompts((30, 20))
+    assert run(one, "prompt").tokens == run(one, "seen").tokens
+    with pytest.raises(PolicyError, match="prefill_budget must be seen|prompt"):
+        QuestionAwareMaskAhead(**SMALL, prefill_budget="all").eviction
+
+
 def test_bad_settings_are_clear_errors():
     m = tiny_model("sdar")
     gc = GenerationConfig(max_new_tokens=8)
@@ -408,6 +514,12 @@ def test_bad_settings_are_clear_errors():
         generate(m, [[1, 2, 3]], gc, policy=QuestionAwareMaskAhead(**SMALL, first_block_probe="x"))
     with pytest.raises(PolicyError, match="hide_question must be one of"):
         generate(m, [[1, 2, 3]], gc, policy=QuestionAwareMaskAhead(**SMALL, hide_question="some"))
+    with pytest.raises(PolicyError, match="draft_tokens must be >= 0"):
+        generate(m, [[1, 2, 3]], gc, policy=QuestionAwareMaskAhead(**SMALL, draft_tokens=-1))
+    with pytest.raises(ValueError, match="needs a block-causal model"):
+        generate(tiny_model("llada"), [[1, 2, 3]], gc, policy=QuestionAwareMaskAhead(**SMALL, draft_tokens=4))
+    with pytest.raises(PolicyError, match="question_pool must be one of"):
+        generate(m, [[1, 2, 3]], gc, policy=QuestionAwareMaskAhead(**SMALL, question_pool="sum"))
     with pytest.raises(PolicyError, match="question_weight must be >= 0"):
         generate(m, [[1, 2, 3]], gc, policy=QuestionAwareMaskAhead(**SMALL, question_weight=-1))
 

@@ -34,7 +34,8 @@ class BidirState(NamedTuple):
     m0: jax.Array  # [B] masks at the start of the current block
 
 
-def bidirectional_core(params, prompt, plen, key, *, cfg, gen, policy, cache_dtype, phase: str = "all"):
+def bidirectional_core(params, prompt, plen, key, draft=None, *, cfg, gen, policy, cache_dtype,
+                       phase: str = "all"):
     b, pb = prompt.shape
     bs, L, hkv, mask_id = gen.block_size, cfg.num_layers, cfg.num_kv_heads, cfg.mask_token_id
     nblk = math.ceil(gen.max_new_tokens / bs)

@@ -17,7 +17,8 @@ from .prefill import prefill
 from .state import BlockState, dense_bytes, probe_forward
 
 
-def block_causal_core(params, prompt, plen, key, *, cfg, gen, policy, cache_dtype, phase: str = "all"):
+def block_causal_core(params, prompt, plen, key, draft=None, *, cfg, gen, policy, cache_dtype,
+                      phase: str = "all"):
     b, pb = prompt.shape
     bs, chunk, mask_id = gen.block_size, gen.prefill_chunk, cfg.mask_token_id
     n_chunks = max(1, math.ceil(pb / chunk))
@@ -29,7 +30,8 @@ def block_causal_core(params, prompt, plen, key, *, cfg, gen, policy, cache_dtyp
     n_pre = (plen // bs) * bs
     padded = jnp.pad(prompt, ((0, 0), (0, prompt_cap + bs - pb)), constant_values=mask_id)
     ctx = StepContext(forward=probe_forward(params, cfg), prompt=padded, plen=plen, n_pre=n_pre,
-                      block_size=bs, mask_id=mask_id, capacity=cap0, active=jnp.ones((b,), bool))
+                      block_size=bs, mask_id=mask_id, capacity=cap0, active=jnp.ones((b,), bool),
+                      draft=draft)
     cache = policy.empty_cache(cfg.num_layers, b, cfg.num_kv_heads, cap0, cfg.head_dim, cache_dtype,
                                group_size=cfg.group_size)
     cache, last_h, peak0 = prefill(params, cfg, gen, policy, constrain_cache(cache), ctx, n_chunks)

@@ -43,9 +43,9 @@ _CORES = {}
 def _with_attention(core):
     """The core traced under the attention implementation its generation config asks for."""
     @functools.wraps(core)
-    def run(params, prompt, plen, key, *, cfg, gen, policy, cache_dtype, phase: str = "all"):
+    def run(params, prompt, plen, key, draft=None, *, cfg, gen, policy, cache_dtype, phase: str = "all"):
         with attention.use(gen.attention, gen.attention_interpret):
-            return core(params, prompt, plen, key, cfg=cfg, gen=gen, policy=policy,
+            return core(params, prompt, plen, key, draft, cfg=cfg, gen=gen, policy=policy,
                         cache_dtype=cache_dtype, phase=phase)
     return run
 
@@ -129,6 +129,11 @@ def generate(model, prompts: Sequence[Sequence[int]], config: GenerationConfig =
     policy = policy if policy is not None else Dense()
     policy.validate(cfg, gen)
     prompts = _validate_prompts(prompts, cfg, gen)
+    draft = None
+    first = policy.draft_pass()
+    if first is not None:
+        draft, first = _draft(model, prompts, config, first, cfg, jit=jit, cache_dtype=cache_dtype,
+                              bucket=bucket, mesh=mesh)
     note = policy.budget_note([len(p) for p in prompts])
     if note:
         warnings.warn(note, BudgetWarning, stacklevel=2)
@@ -142,7 +147,8 @@ def generate(model, prompts: Sequence[Sequence[int]], config: GenerationConfig =
     _relieve_map_pressure()
     fn = _core_fn(cfg, jit)
     key = jax.random.PRNGKey(config.seed)
-    args = (model.params, jnp.asarray(arr), jnp.asarray(plen), key)
+    args = (model.params, jnp.asarray(arr), jnp.asarray(plen), key) + (
+        (jnp.asarray(draft),) if draft is not None else ())
     static = dict(cfg=cfg, gen=gen, policy=policy, cache_dtype=dtype)
     timings = {}
     if config.timings and jit and mesh is None:
@@ -162,7 +168,44 @@ def generate(model, prompts: Sequence[Sequence[int]], config: GenerationConfig =
     wall = timings["total_s"]
     out = finish(res, prompts, cfg, gen, wall, policy)
     out.stats["timings"] = timings
+    if first is not None:
+        _add_draft_stats(out, first)
     return out
+
+
+def _draft(model, prompts, config: GenerationConfig, first, cfg: ModelConfig, **kw):
+    """The first pass of a policy's `draft_pass`: (n, policy) -> ([B, n] int32 drafted answers,
+    mask id after each row's end, the first pass's GenerateOutput)."""
+    n, policy = first
+    if cfg.attention == "bidirectional":
+        raise ValueError(f"{type(policy).__name__}: a drafted first pass (draft_pass) needs a "
+                         f"block-causal model; {cfg.family} is bidirectional")
+    if kw.get("mesh") is not None:
+        raise ValueError("a drafted first pass (draft_pass) does not run under a device mesh yet")
+    if n <= 0 or policy.draft_pass() is not None:
+        raise ValueError(f"draft_pass must give n > 0 new tokens and a policy without a draft pass, "
+                         f"got n={n}, {policy.draft_pass()}")
+    out = generate(model, prompts, dataclasses.replace(config, max_new_tokens=n, timings=False),
+                   policy, **kw)
+    arr = np.full((len(prompts), n), cfg.mask_token_id, np.int32)
+    for i, row in enumerate(out.tokens):
+        arr[i, :len(row)] = row[:n]
+    return arr, out
+
+
+def _add_draft_stats(out: GenerateOutput, first: GenerateOutput) -> None:
+    """Count the first pass in the run's cost: its forwards and wall time are added, its peak
+    bytes taken when higher (the passes run one after the other, so memory is their max)."""
+    stats, fs = out.stats, first.stats
+    stats["nfe"] = [a + b for a, b in zip(stats["nfe"], fs["nfe"])]
+    stats["nfe_batch"] += fs["nfe_batch"]
+    stats["tokens_per_forward"] = sum(map(len, out.tokens)) / max(1, stats["nfe_batch"])
+    stats["wall_s"] += fs["wall_s"]
+    peak = [max(a, b) for a, b in zip(stats["kv_bytes_peak"], fs["kv_bytes_peak"])]
+    stats["kv_bytes_peak"] = peak
+    stats["reduction_peak"] = [d / max(p, 1.0) for d, p in zip(stats["dense_bytes_peak"], peak)]
+    stats["draft"] = dict(tokens=[len(t) for t in first.tokens], nfe=fs["nfe"],
+                          nfe_batch=fs["nfe_batch"], wall_s=fs["wall_s"])
 
 
 def _timed_run(fn, args, static):

@@ -87,6 +87,25 @@ def current() -> Choice:
     return _CURRENT.get()
 
 
+# How the statistics pool their query rows (reference.prefix_mass): "mean" everywhere but inside
+# `stat_pool("max")`, which a probe opens around its forward. A trace-time setting like `use`.
+# The Pallas kernels pool by the mean only, so a "max" forward reads its context with the jnp
+# reference (exact; it materialises the probe's [rows, S] probabilities per layer).
+_POOL: contextvars.ContextVar[str] = contextvars.ContextVar("maskahead_stat_pool", default="mean")
+
+
+@contextlib.contextmanager
+def stat_pool(pool: str):
+    """Pool the statistics of the forwards traced inside by `pool` ("mean" or "max")."""
+    if pool not in reference.POOLS:
+        raise ValueError(f"pool must be one of {reference.POOLS}, got {pool!r}")
+    token = _POOL.set(pool)
+    try:
+        yield
+    finally:
+        _POOL.reset(token)
+
+
 # `jax.nn.dot_product_attention`'s implementation for a block that reads no context: "xla" (the
 # default) or "cudnn" on a GPU (tried at trace time; XLA when cuDNN refuses the shape). cuDNN is
 # opt-in until it has run on a device here: a compile-time cuDNN failure would fail the generate.
@@ -129,6 +148,11 @@ def attend(q, ctx, k_blk, v_blk, blk_mask, stat_rows: Optional[jax.Array] = None
     kc, vc, valid = ctx
     packed = isinstance(kc, quant.QuantKV)
     impl = choice.impl
+    pool = _POOL.get() if stat_rows is not None else "mean"
+    if pool != "mean":
+        if packed:
+            return quant_reference.attention_quant(q, kc, valid, k_blk, v_blk, blk_mask, stat_rows, pool)
+        return reference.attention(q, kc, vc, valid, k_blk, v_blk, blk_mask, stat_rows, pool)
     if impl != "reference" and stat_rows is not None and impl == "pallas_gpu" \
             and q.shape[2] * q.shape[3] > GPU_MAX_STAT_ROWS:
         impl = "reference"

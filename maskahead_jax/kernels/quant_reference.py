@@ -17,10 +17,11 @@ from . import reference
 
 
 def attention_quant(q: jax.Array, ctx: quant.QuantKV, ctx_valid: jax.Array, k_blk: jax.Array,
-                    v_blk: jax.Array, blk_mask: jax.Array, stat_rows: Optional[jax.Array] = None):
+                    v_blk: jax.Array, blk_mask: jax.Array, stat_rows: Optional[jax.Array] = None,
+                    pool: str = "mean"):
     """q [B, Hkv, G, T, D]; ctx QuantKV over [B, Hkv, S, D]; ctx_valid [B, Hkv, S].
 
     Returns (out [B, Hkv, G, T, D] in q.dtype, ScoredStats [B, Hkv, S] or None).
     """
     k_ctx, v_ctx = quant.dequantize_kv(ctx, jnp.float32)
-    return reference.attention(q, k_ctx, v_ctx, ctx_valid, k_blk, v_blk, blk_mask, stat_rows)
+    return reference.attention(q, k_ctx, v_ctx, ctx_valid, k_blk, v_blk, blk_mask, stat_rows, pool)

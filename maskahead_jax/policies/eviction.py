@@ -215,6 +215,7 @@ class Eviction:
     pin_prefill: bool = False  # keep prefill_probe's span (the question)
     prefill_slack: float = 1.0  # bounded prefill keeps slack x C(seen): room for what no probe asks yet
     defer_final_chunk: bool = False  # bounded prefill leaves the prompt's final chunk to the first block
+    prefill_budget: str = "seen"  # bounded prefill keeps C(seen) ("seen") or C(whole prompt) ("prompt")
     step0_weight: float = 1.0  # block evictions rank by step0_weight x step-0 mass + probe mass
     timing: str = "deferred"  # deferred | end_of_block (see the module docstring)
     admit_final_first: bool = False  # end_of_block: compress the prompt after its final chunk
@@ -225,6 +226,8 @@ class Eviction:
             raise PolicyError(f"eviction timing must be one of {'|'.join(TIMINGS)}, got {self.timing!r}")
         if not self.prefill_slack >= 1.0:
             raise PolicyError(f"prefill_slack must be >= 1 (a multiple of C(seen)), got {self.prefill_slack}")
+        if self.prefill_budget not in ("seen", "prompt"):
+            raise PolicyError(f"prefill_budget must be seen|prompt, got {self.prefill_budget!r}")
 
     def prefill_capacity(self, seen):
         """What bounded prefill keeps: prefill_slack x C(seen) (C(seen) itself at slack 1)."""
@@ -350,7 +353,10 @@ class Eviction:
         return jax.lax.cond(jnp.any(rows), compress, lambda c: c, cache)
 
     def _bounded(self, cache, ctx: StepContext):
-        cap = self.prefill_capacity(cache.seen)
+        # "prompt": the budget the whole prompt will have (its stored prefix, n_pre) from the first
+        # chunk on, so early chunks are not ranked against a C(seen) a fraction of the final one
+        seen = cache.seen if self.prefill_budget == "seen" else jnp.maximum(cache.seen, ctx.n_pre)
+        cap = self.prefill_capacity(seen)
         over = cache.length > cap
         if self.defer_final_chunk:  # the first block's eviction (lookahead + question) ranks it
             over = over & (ctx.start + ctx.appended < ctx.n_pre)

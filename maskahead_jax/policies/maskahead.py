@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from ..kernels.reference import POOLS
 from .composed import ComposedPolicy
 from .eviction import Allocation, Budget, Eviction, ForcedKeeps, budget_of, check_budget
 from .probes import FILLS, DapQ as DapQProbe, Lookahead, Question, QuestionLookahead
@@ -217,6 +218,16 @@ class QuestionAwareMaskAhead(MaskAhead):
     question_masks: bool = False
     step0_weight: float = 1.0
     first_block_probe: str = "lookahead"
+    question_pool: str = "mean"
+    draft_tokens: int = 0
+    prefill_budget: str = "seen"
+
+    def draft_pass(self):
+        """draft_tokens > 0: generate first runs this policy without a draft for draft_tokens new
+        tokens; bounded prefill's question probe then reads that answer in its mask blocks."""
+        if self.draft_tokens <= 0:
+            return None
+        return self.draft_tokens, dataclasses.replace(self, draft_tokens=0)
 
     @property
     def eviction(self) -> Optional[Eviction]:
@@ -224,13 +235,14 @@ class QuestionAwareMaskAhead(MaskAhead):
         if ev is None or self.question_tokens <= 0:
             return ev
         m = self.lookahead_blocks
-        question = Question(self.question_tokens, m, self.hide_question == "all")  # bounded prefill's probe
+        question = Question(self.question_tokens, m, self.hide_question == "all",  # bounded prefill's probe
+                            self.question_pool, draft=self.draft_tokens > 0)
         if self.step0_weight != 1.0:
             ev = dataclasses.replace(ev, step0_weight=self.step0_weight)
         if self.question_every:
             w = self.question_weight or float(m)
             probe = QuestionLookahead(self.question_tokens, m, w, hide_cached=self.hide_question != "none",
-                                      with_masks=self.question_masks)
+                                      with_masks=self.question_masks, pool=self.question_pool)
             ev = dataclasses.replace(ev, probe=probe, first_probe=None, pin_first=False,
                                      pin_probe=self.pin_question)
         if self.first_block_probe == "question":
@@ -238,7 +250,8 @@ class QuestionAwareMaskAhead(MaskAhead):
         if self.bounded_prefill:
             ev = dataclasses.replace(ev, bounded_prefill=True, prefill_probe=question,
                                      pin_prefill=self.pin_question, prefill_slack=self.prefill_slack,
-                                     defer_final_chunk=self.defer_final_chunk)
+                                     defer_final_chunk=self.defer_final_chunk,
+                                     prefill_budget=self.prefill_budget)
         return ev
 
     def check_question(self) -> None:
@@ -255,6 +268,10 @@ class QuestionAwareMaskAhead(MaskAhead):
             raise PolicyError(f"step0_weight must be >= 0, got {self.step0_weight}")
         if self.first_block_probe not in ("lookahead", "question"):
             raise PolicyError(f"first_block_probe must be lookahead|question, got {self.first_block_probe!r}")
+        if self.draft_tokens < 0:
+            raise PolicyError(f"draft_tokens must be >= 0, got {self.draft_tokens}")
+        if self.question_pool not in POOLS:
+            raise PolicyError(f"question_pool must be one of {'|'.join(POOLS)}, got {self.question_pool!r}")
         if self.hide_question not in ("none", "blocks", "all"):
             raise PolicyError(f"hide_question must be one of none|blocks|all, got {self.hide_question!r}")
 

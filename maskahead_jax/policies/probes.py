@@ -17,7 +17,8 @@ pre-eviction cache, and returns the pooled attention mass [L, B, Hkv, N]. Each c
                         prefill chunk's last `window` rows (exactly so for window <= block_size)
   Question(tokens, blocks)  ours (docs/results.md §2d): the prompt's last `tokens` tokens at their
                         real positions plus blocks - 1 mask blocks after the prompt, all attending
-                        to each other; scaled by `blocks` (the lookahead's weighting)
+                        to each other; scaled by `blocks` (the lookahead's weighting). With
+                        `draft`, the mask blocks open with a first pass's answer (ctx.draft)
   QuestionLookahead(tokens, blocks, weight)  ours (docs/results.md "Beyond the paper"): at any
                         block, Lookahead(blocks)'s mass plus `weight` x the mass of the question
                         alone (the prompt's last `tokens` tokens at their real positions, attending
@@ -30,6 +31,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from ..kernels.attention import stat_pool
 from ..model import block_causal_mask
 from .protocol import StepContext
 
@@ -132,6 +134,8 @@ class Question:
     tokens: int = 64
     blocks: int = 4
     hide_cached: bool = False  # the probe reads its own question, not the cached copy too
+    pool: str = "mean"  # how its rows' attention is pooled (reference.prefix_mass): mean | max
+    draft: bool = False  # the answer blocks open with ctx.draft (a first pass's answer), if any
 
     def mass(self, cache, ctx: StepContext) -> jax.Array:
         cache = _hide_question(self, cache, ctx)
@@ -140,10 +144,18 @@ class Question:
         q, bs, m = self.tokens, ctx.block_size, self.blocks
         qpos = jnp.maximum(plen[:, None] - q + jnp.arange(q)[None], 0).astype(jnp.int32)
         qtok = jnp.take_along_axis(ctx.prompt, qpos, axis=1)
-        mpos = plen[:, None] + jnp.arange((m - 1) * bs, dtype=jnp.int32)[None]
-        toks = jnp.concatenate([qtok, jnp.full((b, (m - 1) * bs), ctx.mask_id, jnp.int32)], 1)
+        n_ans = (m - 1) * bs
+        with_draft = self.draft and ctx.draft is not None
+        if with_draft:  # the draft, then masks to a whole number of blocks (at least blocks - 1)
+            n_ans = max(n_ans, -(-ctx.draft.shape[1] // bs) * bs)
+        mpos = plen[:, None] + jnp.arange(n_ans, dtype=jnp.int32)[None]
+        answer = jnp.full((b, n_ans), ctx.mask_id, jnp.int32)
+        if with_draft:
+            answer = answer.at[:, :ctx.draft.shape[1]].set(ctx.draft.astype(jnp.int32))
+        toks = jnp.concatenate([qtok, answer], 1)
         pos = jnp.concatenate([qpos, mpos], 1)
-        return ctx.forward(cache, toks, pos, _full(b, toks.shape[1]), jnp.ones(toks.shape, bool)) * m
+        with stat_pool(self.pool):
+            return ctx.forward(cache, toks, pos, _full(b, toks.shape[1]), jnp.ones(toks.shape, bool)) * m
 
     def span(self, cache, ctx: StepContext) -> jax.Array:
         """[L, B, Hkv, N] the question's cache entries (the prompt's last `tokens` positions;
@@ -163,20 +175,22 @@ class QuestionLookahead:
     weight: float = 4.0
     hide_cached: bool = False  # as Question.hide_cached, for the question's queries
     with_masks: bool = False  # the question forward carries blocks - 1 mask blocks (Question's)
+    pool: str = "mean"  # how the question forward's rows are pooled (Question.pool)
     forwards: int = 2  # probe forwards per eviction (the engine's count)
 
     def question_mass(self, cache, ctx: StepContext) -> jax.Array:
         """[L, B, Hkv, N] the mass of the question's own queries (no mask blocks), or with
         `with_masks` of the question and the mask blocks after it (Question's forward, / blocks)."""
         if self.with_masks:
-            return Question(self.tokens, self.blocks, self.hide_cached).mass(cache, ctx) / self.blocks
+            return Question(self.tokens, self.blocks, self.hide_cached, self.pool).mass(cache, ctx) / self.blocks
         cache = _hide_question(self, cache, ctx)
         plen, q = ctx.plen, self.tokens
         b = plen.shape[0]
         qpos = jnp.maximum(plen[:, None] - q + jnp.arange(q)[None], 0).astype(jnp.int32)
         qtok = jnp.take_along_axis(ctx.prompt, qpos, axis=1)
         rows = jnp.broadcast_to(ctx.active[:, None], (b, q))
-        return ctx.forward(cache, qtok, qpos, _full(b, q), rows)
+        with stat_pool(self.pool):
+            return ctx.forward(cache, qtok, qpos, _full(b, q), rows)
 
     def mass(self, cache, ctx: StepContext) -> jax.Array:
         return Lookahead(self.blocks).mass(cache, ctx) + self.weight * self.question_mass(cache, ctx)

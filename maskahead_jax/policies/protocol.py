@@ -31,6 +31,9 @@ A policy is a frozen, hashable dataclass (a static jit argument). The engine
                                          sets what is kept for these prompts (or None)
   first_block_special                    (property) on_block reads ctx.first: the engine traces
                                          the first block apart (default True; Dense: False)
+  draft_pass()                           None, or (n, policy): generate first runs `policy` for n
+                                         new tokens, and this run's hooks read them as ctx.draft
+                                         (a drafted answer for probes; block-causal models)
 
 `Policy` below implements every hook as the exact full cache does (nothing selected, nothing
 evicted), so a policy overrides only what it changes. Most policies are compositions of a
@@ -83,6 +86,7 @@ class StepContext(NamedTuple):
     blocks_done: Optional[jax.Array] = None  # int32 blocks committed so far (after_commit)
     generated: Optional[jax.Array] = None  # [B, G] committed blocks, the first at position n_pre
     block_kv: Optional[tuple] = None  # (k, v) [L, B, Hkv, bs, D] the block's own K/V at step 0 (post-RoPE)
+    draft: Optional[jax.Array] = None  # [B, H] a first pass's answer (draft_pass), mask_id where none
 
 
 class BlockResult(NamedTuple):
@@ -151,6 +155,9 @@ class Policy:
         return memory.row_bytes(cache.valid, cache.bytes_per_token, self.keeps_state)
 
     def budget_note(self, prompt_lens) -> Optional[str]:
+        return None
+
+    def draft_pass(self) -> Optional[tuple]:
         return None
 
 
