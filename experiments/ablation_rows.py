@@ -5,6 +5,8 @@ against named reference rows: the ablation tables of docs/results.md "Beyond the
         --ref dense=runs/beyond40:dense --ref maskahead=runs/beyond40:maskahead@10
 
 Each run folder's results.jsonl is read (every row of it); a reference is FOLDER:POLICY[@CAPACITY].
+A run (or a reference's folder) spelled A+B is the rows of A and B together: one row of the table
+whose tasks ran in two folders (`--tasks longanswer,twohop` into A, the others into B).
 Scores are percentages (x 100); the suite mean is the mean over tasks of the task means (as the
 eval's summary); KV reduction end / peak are the means over examples of the per-example ratios;
 sign tests pair by example id, ties dropped (evaluation.stats.paired_sign_test). The scores and
@@ -22,10 +24,13 @@ from maskahead_jax.evaluation.sweep import load_rows, summarize
 
 
 def load(folder: str) -> list[dict]:
-    """The rows of one run folder's results.jsonl (read only)."""
-    rows = load_rows(os.path.join(folder, "results.jsonl"), repair=False)
-    if not rows:
-        raise SystemExit(f"no result rows in {folder}")
+    """The rows of one run folder's results.jsonl (read only); A+B: A's rows, then B's."""
+    rows = []
+    for part in folder.split("+"):
+        got = load_rows(os.path.join(part, "results.jsonl"), repair=False)
+        if not got:
+            raise SystemExit(f"no result rows in {part}")
+        rows += got
     return rows
 
 

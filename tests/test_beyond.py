@@ -219,6 +219,18 @@ def test_draft_pass_feeds_the_first_pass_answer_to_bounded_prefill():
     assert all(a > b for a, b in zip(st["nfe"], want.stats["nfe"]))
     assert all(p >= q for p, q in zip(st["kv_bytes_peak"], want.stats["kv_bytes_peak"]))
     assert len(out.tokens[0]) == 16
+    short = generate(m, prompts, dataclasses.replace(gc, max_new_tokens=4), policy=pol)
+    assert short.stats["draft"]["tokens"] == [4, 4]  # never drafted past max_new_tokens
+
+
+def test_q_maskahead_draft_is_q_maskahead_qa_with_a_96_token_draft():
+    pol = make("q-maskahead-draft", 20)
+    assert pol.name == "q-maskahead-draft" and pol.head_alloc == "adakv" and pol.bits == 4
+    n, first = pol.draft_pass()
+    assert n == 96 and first.draft_tokens == 0 and first.draft_pass() is None
+    assert pol.eviction.prefill_probe.draft and not first.eviction.prefill_probe.draft
+    qa = make("q-maskahead-qa", 20, draft_tokens=96)
+    assert pol.eviction == qa.eviction and pol.selector == qa.selector
 
 
 def test_step0_weight_scales_the_block_evictions_step0_mass():

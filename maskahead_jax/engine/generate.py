@@ -174,9 +174,10 @@ def generate(model, prompts: Sequence[Sequence[int]], config: GenerationConfig =
 
 
 def _draft(model, prompts, config: GenerationConfig, first, cfg: ModelConfig, **kw):
-    """The first pass of a policy's `draft_pass`: (n, policy) -> ([B, n] int32 drafted answers,
-    mask id after each row's end, the first pass's GenerateOutput)."""
+    """The first pass of a policy's `draft_pass`: (n, policy) -> ([B, n'] int32 drafted answers,
+    mask id after each row's end, the first pass's GenerateOutput); n' = min(n, max_new_tokens)."""
     n, policy = first
+    n = min(n, config.max_new_tokens)  # never drafted past the answer's own length limit
     if cfg.attention == "bidirectional":
         raise ValueError(f"{type(policy).__name__}: a drafted first pass (draft_pass) needs a "
                          f"block-causal model; {cfg.family} is bidirectional")

@@ -10,7 +10,7 @@ from .protocol import BlockResult, Dense, Policy, PolicyError, StepContext
 from .registry import knobs, make, names, register, takes_budget
 from .composed import ComposedPolicy
 from .maskahead import BoundedPrefillMaskAhead, DapQ, MaskAhead, QuestionAwareMaskAhead
-from .qmaskahead import QMaskAhead, QuestionAwareQMaskAhead
+from .qmaskahead import DraftedQMaskAhead, QMaskAhead, QuestionAwareQMaskAhead
 from .baselines import CAOTE, H2O, HERALD, BoundedPrefillStreamingLLM, SnapKV, StreamingLLM
 from .expected_attention import ExpectedAttention
 from .maskkv import AdaKV, MaskKV, PyramidKV
@@ -24,6 +24,7 @@ register("maskahead-bounded", BoundedPrefillMaskAhead)
 register("maskahead-qa", QuestionAwareMaskAhead)
 register("q-maskahead", QMaskAhead)
 register("q-maskahead-qa", QuestionAwareQMaskAhead)
+register("q-maskahead-draft", DraftedQMaskAhead)
 register("bitsieve-v1", QMaskAhead, select_ranking="mass", evict_ranking="none")
 register("streaming", StreamingLLM)
 register("streaming-bounded", BoundedPrefillStreamingLLM)
@@ -38,7 +39,7 @@ register("maskkv-blockcausal", MaskKV, budget_field="budget_pct", entries_field=
 register("pyramidkv", PyramidKV, budget_field="budget_pct", entries_field="budget_per_head")
 register("adakv", AdaKV, budget_field="budget_pct", entries_field="budget_per_head")
 
-__all__ = ["AdaKV", "BlockResult", "BoundedPrefillMaskAhead", "BoundedPrefillStreamingLLM", "CAOTE",
+__all__ = ["AdaKV", "BlockResult", "BoundedPrefillMaskAhead", "BoundedPrefillStreamingLLM", "CAOTE", "DraftedQMaskAhead",
            "ComposedPolicy", "DapQ", "Dense", "ExpectedAttention", "H2O", "HERALD", "MaskAhead", "MaskKV", "Policy", "PolicyError",
            "PyramidKV", "QMaskAhead", "QuestionAwareMaskAhead", "QuestionAwareQMaskAhead", "SnapKV", "StepContext", "StreamingLLM", "knobs", "make", "names",
            "register", "takes_budget"]

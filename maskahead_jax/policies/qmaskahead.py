@@ -156,3 +156,16 @@ class QuestionAwareQMaskAhead(QMaskAhead, QuestionAwareMaskAhead):
     # AdaKV's head budgets (eviction.Allocation, whole key groups per lane): 92.0 against 90.9 at
     # 10% (13 / 4, p = 0.05), 94.8 against 94.8 at 20% (11 / 9, n.s.) on the testbed suite
     head_alloc: str = "adakv"
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftedQMaskAhead(QuestionAwareQMaskAhead):
+    """`q-maskahead-qa` with the drafted probe (ours, issue 40's best row, docs/results.md §2c-4):
+    generate first runs the policy without a draft for draft_tokens new tokens (at most the run's
+    max_new_tokens), and bounded prefill's question probe then reads that answer instead of mask
+    blocks. The same memory as q-maskahead-qa (each pass is bounded); about twice the forwards
+    (a second prefill and the drafted tokens). 96 = three blocks of 32 (the testbed's and
+    Fast-dLLM v2's block size)."""
+
+    name = "q-maskahead-draft"
+    draft_tokens: int = 96
