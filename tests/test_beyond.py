@@ -223,13 +223,14 @@ def test_draft_pass_feeds_the_first_pass_answer_to_bounded_prefill():
     assert short.stats["draft"]["tokens"] == [4, 4]  # never drafted past max_new_tokens
 
 
-def test_q_maskahead_draft_is_q_maskahead_qa_with_a_96_token_draft():
+def test_q_maskahead_draft_is_q_maskahead_qa_with_a_96_token_draft_and_mean_max_rows():
     pol = make("q-maskahead-draft", 20)
     assert pol.name == "q-maskahead-draft" and pol.head_alloc == "adakv" and pol.bits == 4
     n, first = pol.draft_pass()
     assert n == 96 and first.draft_tokens == 0 and first.draft_pass() is None
     assert pol.eviction.prefill_probe.draft and not first.eviction.prefill_probe.draft
-    qa = make("q-maskahead-qa", 20, draft_tokens=96)
+    assert pol.eviction.prefill_probe.pool == pol.eviction.probe.pool == "mean+max"
+    qa = make("q-maskahead-qa", 20, draft_tokens=96, question_pool="mean+max")
     assert pol.eviction == qa.eviction and pol.selector == qa.selector
 
 

@@ -160,12 +160,14 @@ class QuestionAwareQMaskAhead(QMaskAhead, QuestionAwareMaskAhead):
 
 @dataclasses.dataclass(frozen=True)
 class DraftedQMaskAhead(QuestionAwareQMaskAhead):
-    """`q-maskahead-qa` with the drafted probe (ours, issue 40's best row, docs/results.md §2c-4):
-    generate first runs the policy without a draft for draft_tokens new tokens (at most the run's
-    max_new_tokens), and bounded prefill's question probe then reads that answer instead of mask
-    blocks. The same memory as q-maskahead-qa (each pass is bounded); about twice the forwards
-    (a second prefill and the drafted tokens). 96 = three blocks of 32 (the testbed's and
-    Fast-dLLM v2's block size)."""
+    """`q-maskahead-qa` with the drafted probe and max-pooled question rows (ours, issue 40's best
+    row, docs/results.md §2c-4): generate first runs the policy without a draft for draft_tokens
+    new tokens (at most the run's max_new_tokens), and bounded prefill's question probe then reads
+    that answer instead of mask blocks, its rows pooled by mean + max. The same memory as
+    q-maskahead-qa (each pass is bounded); about twice the forwards (a second prefill and the
+    drafted tokens); the probe forwards read the cache with the jnp reference (the kernels pool by
+    the mean only). 96 = three blocks of 32 (the testbed's and Fast-dLLM v2's block size)."""
 
     name = "q-maskahead-draft"
     draft_tokens: int = 96
+    question_pool: str = "mean+max"
