@@ -20,16 +20,21 @@ import os
 import sys
 
 from maskahead_jax.evaluation.stats import paired_sign_test
-from maskahead_jax.evaluation.sweep import load_rows, summarize
+from maskahead_jax.evaluation.sweep import load_rows, row_key, summarize
 
 
 def load(folder: str) -> list[dict]:
-    """The rows of one run folder's results.jsonl (read only); A+B: A's rows, then B's."""
-    rows = []
+    """The rows of one run folder's results.jsonl (read only); A+B: A's rows, then B's (an
+    example of the same policy and capacity in both is an error, not counted twice)."""
+    rows, seen = [], set()
     for part in folder.split("+"):
         got = load_rows(os.path.join(part, "results.jsonl"), repair=False)
         if not got:
             raise SystemExit(f"no result rows in {part}")
+        keys = {row_key(r) for r in got}
+        if keys & seen:
+            raise SystemExit(f"{folder}: {part} repeats {len(keys & seen)} examples of the folders before it")
+        seen |= keys
         rows += got
     return rows
 

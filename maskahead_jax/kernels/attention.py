@@ -87,16 +87,16 @@ def current() -> Choice:
     return _CURRENT.get()
 
 
-# How the statistics pool their query rows (reference.prefix_mass): "mean" everywhere but inside
-# `stat_pool("max")`, which a probe opens around its forward. A trace-time setting like `use`.
-# The Pallas kernels pool by the mean only, so a "max" forward reads its context with the jnp
-# reference (exact; it materialises the probe's [rows, S] probabilities per layer).
+# How the statistics pool their query rows (reference.pool_rows): "mean" everywhere but inside
+# `stat_pool(...)`, which a probe opens around its forward. A trace-time setting like `use`.
+# The Pallas kernels pool by the mean only, so a forward pooled otherwise reads its context with
+# the jnp reference (exact; it materialises the probe's [rows, S] probabilities per layer).
 _POOL: contextvars.ContextVar[str] = contextvars.ContextVar("maskahead_stat_pool", default="mean")
 
 
 @contextlib.contextmanager
 def stat_pool(pool: str):
-    """Pool the statistics of the forwards traced inside by `pool` ("mean" or "max")."""
+    """Pool the statistics of the forwards traced inside by `pool` (one of reference.POOLS)."""
     if pool not in reference.POOLS:
         raise ValueError(f"pool must be one of {reference.POOLS}, got {pool!r}")
     token = _POOL.set(pool)

@@ -204,6 +204,16 @@ class QuestionAwareMaskAhead(MaskAhead):
                      "question": with bounded prefill's probe (the question and its mask blocks),
                      so with step0_weight=0 it ranks as bounded prefill ranks, once
     The last five were measured on the testbed (docs/results.md §2c-3): none beats the defaults.
+    question_pool    how the question probes pool their rows (reference.POOLS): "mean" (the
+                     released rule), "max", "mean+max", "max_joint"; other than "mean" their
+                     forwards read the cache with the jnp reference
+    draft_tokens     n > 0: generate first runs this policy without a draft for n new tokens (at
+                     most max_new_tokens), and bounded prefill's question probe reads that answer
+                     in its mask blocks (`draft_pass`; block-causal models)
+    prefill_budget   "seen": bounded prefill keeps C(seen so far); "prompt": C(whole stored
+                     prompt) from the first chunk on (the peak grows to C(prompt) + one chunk)
+    Measured in docs/results.md §2c-4: the draft with mean+max rows is the best row
+    (`q-maskahead-draft`).
     """
 
     name = "maskahead-qa"

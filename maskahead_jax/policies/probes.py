@@ -134,7 +134,7 @@ class Question:
     tokens: int = 64
     blocks: int = 4
     hide_cached: bool = False  # the probe reads its own question, not the cached copy too
-    pool: str = "mean"  # how its rows' attention is pooled (reference.prefix_mass): mean | max
+    pool: str = "mean"  # how its rows' attention is pooled: reference.POOLS (pool_rows)
     draft: bool = False  # the answer blocks open with ctx.draft (a first pass's answer), if any
 
     def mass(self, cache, ctx: StepContext) -> jax.Array:
