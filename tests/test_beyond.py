@@ -189,12 +189,12 @@ def test_question_probe_reads_a_draft_in_its_answer_blocks():
 
 
 def test_draft_pass_feeds_the_first_pass_answer_to_bounded_prefill():
-    """draft_tokens=n: generate first runs the policy without a draft for n new tokens, then the
-    real run's hooks read those tokens (mask id after a row's end) as ctx.draft; the first
-    pass's forwards are added to the run's, and its peak counts."""
+    """draft_tokens=n: generate first runs the policy without a draft for min(n, max_new_tokens)
+    new tokens, then the real run's hooks read those tokens (mask id after a row's end) as
+    ctx.draft; the first pass's forwards are added to the run's, and its peak counts."""
     m = tiny_model("sdar", num_layers=2)
     prompts = _prompts((70, 45))
-    gc = GenerationConfig(max_new_tokens=16, prefill_chunk=32, stop_at_eos=False)
+    gc = GenerationConfig(max_new_tokens=8, prefill_chunk=32, stop_at_eos=False)
     seen = []
 
     @dataclasses.dataclass(frozen=True)
@@ -204,23 +204,22 @@ def test_draft_pass_feeds_the_first_pass_answer_to_bounded_prefill():
                 jax.debug.callback(lambda d: seen.append(np.asarray(d)), ctx.draft)
             return super().on_prefill_chunk(cache, ctx)
 
-    pol = Spy(**SMALL, question_tokens=12, draft_tokens=8)
+    pol = Spy(**SMALL, question_tokens=12, draft_tokens=16)
     n, first = pol.draft_pass()
-    assert n == 8 and first == dataclasses.replace(pol, draft_tokens=0) and first.draft_pass() is None
+    assert n == 16 and first == dataclasses.replace(pol, draft_tokens=0) and first.draft_pass() is None
     assert pol.eviction.prefill_probe.draft and not first.eviction.prefill_probe.draft
     out = generate(m, prompts, gc, policy=pol)
-    want = generate(m, prompts, dataclasses.replace(gc, max_new_tokens=8), policy=first)
+    want = generate(m, prompts, gc, policy=first)  # the first pass: capped at max_new_tokens = 8
     assert seen, "the second pass's prefill hooks saw no draft"
     for d in seen:  # every chunk of the second pass read the first pass's answer
+        assert d.shape == (2, 8)
         for row, toks in zip(d, want.tokens):
             assert row[:len(toks)].tolist() == toks and (row[len(toks):] == m.config.mask_token_id).all()
     st = out.stats
     assert st["draft"]["nfe"] == want.stats["nfe"] and st["draft"]["tokens"] == [len(t) for t in want.tokens]
     assert all(a > b for a, b in zip(st["nfe"], want.stats["nfe"]))
     assert all(p >= q for p, q in zip(st["kv_bytes_peak"], want.stats["kv_bytes_peak"]))
-    assert len(out.tokens[0]) == 16
-    short = generate(m, prompts, dataclasses.replace(gc, max_new_tokens=4), policy=pol)
-    assert short.stats["draft"]["tokens"] == [4, 4]  # never drafted past max_new_tokens
+    assert len(out.tokens[0]) == 8
 
 
 def test_q_maskahead_draft_is_q_maskahead_qa_with_a_96_token_draft_and_mean_max_rows():
@@ -500,16 +499,14 @@ def test_prefill_slack_keeps_more_while_prefilling_and_nothing_more_after():
 def test_prefill_budget_prompt_keeps_the_whole_prompts_budget_from_the_first_chunk():
     """prefill_budget="prompt": bounded prefill ranks every chunk against C(stored prompt), not
     C(seen so far): a higher peak (C(prompt) + a chunk instead of C(seen) + a chunk) and the same
-    end memory (the first block evicts to C(seen)); a prompt stored in one chunk is unchanged."""
+    end memory (the first block evicts to C(seen))."""
     m = tiny_model("sdar", num_layers=2)
-    gc = GenerationConfig(max_new_tokens=16, prefill_chunk=32, stop_at_eos=False)
+    gc = GenerationConfig(max_new_tokens=8, prefill_chunk=32, stop_at_eos=False)
     knobs = dict(SMALL, capacity_pct=40, question_tokens=12)
-    run = lambda prompts, b: generate(m, prompts, gc, policy=QuestionAwareMaskAhead(**knobs, prefill_budget=b))
-    seen, whole = run(_prompts(), "seen"), run(_prompts(), "prompt")
+    run = lambda b: generate(m, _prompts(), gc, policy=QuestionAwareMaskAhead(**knobs, prefill_budget=b))
+    seen, whole = run("seen"), run("prompt")
     assert all(w > s for w, s in zip(whole.stats["kv_bytes_peak"], seen.stats["kv_bytes_peak"]))
     assert whole.stats["kv_bytes_final"] == seen.stats["kv_bytes_final"]
-    one = _prompts((30, 20))
-    assert run(one, "prompt").tokens == run(one, "seen").tokens
     with pytest.raises(PolicyError, match="prefill_budget must be seen|prompt"):
         QuestionAwareMaskAhead(**SMALL, prefill_budget="all").eviction
 
