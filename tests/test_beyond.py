@@ -526,6 +526,8 @@ def test_bad_settings_are_clear_errors():
         generate(m, [[1, 2, 3]], gc, policy=QuestionAwareMaskAhead(**SMALL, hide_question="some"))
     with pytest.raises(PolicyError, match="draft_tokens must be >= 0"):
         generate(m, [[1, 2, 3]], gc, policy=QuestionAwareMaskAhead(**SMALL, draft_tokens=-1))
+    with pytest.raises(PolicyError, match="draft_tokens needs bounded_prefill=True"):
+        generate(m, [[1, 2, 3]], gc, policy=QuestionAwareMaskAhead(**SMALL, draft_tokens=4, bounded_prefill=False))
     with pytest.raises(ValueError, match="needs a block-causal model"):
         generate(tiny_model("llada"), [[1, 2, 3]], gc, policy=QuestionAwareMaskAhead(**SMALL, draft_tokens=4))
     with pytest.raises(PolicyError, match="question_pool must be one of"):

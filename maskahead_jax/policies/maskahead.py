@@ -280,6 +280,9 @@ class QuestionAwareMaskAhead(MaskAhead):
             raise PolicyError(f"first_block_probe must be lookahead|question, got {self.first_block_probe!r}")
         if self.draft_tokens < 0:
             raise PolicyError(f"draft_tokens must be >= 0, got {self.draft_tokens}")
+        if self.draft_tokens and not (self.bounded_prefill or self.first_block_probe == "question"):
+            raise PolicyError("draft_tokens needs bounded_prefill=True or first_block_probe=question: "
+                              "only their question probe reads the draft")
         if self.question_pool not in POOLS:
             raise PolicyError(f"question_pool must be one of {'|'.join(POOLS)}, got {self.question_pool!r}")
         if self.hide_question not in ("none", "blocks", "all"):
