@@ -129,6 +129,12 @@ def _hide_question(probe, cache, ctx: StepContext):
     return cache._replace(valid=cache.valid & ~Question(probe.tokens, probe.blocks).span(cache, ctx))
 
 
+def _question(ctx: StepContext, q: int):
+    """The prompt's last q tokens and their positions [B, q] (clipped at 0 for shorter prompts)."""
+    qpos = jnp.maximum(ctx.plen[:, None] - q + jnp.arange(q)[None], 0).astype(jnp.int32)
+    return jnp.take_along_axis(ctx.prompt, qpos, axis=1), qpos
+
+
 @dataclasses.dataclass(frozen=True)
 class Question:
     tokens: int = 64
@@ -142,8 +148,7 @@ class Question:
         plen = ctx.plen
         b = plen.shape[0]
         q, bs, m = self.tokens, ctx.block_size, self.blocks
-        qpos = jnp.maximum(plen[:, None] - q + jnp.arange(q)[None], 0).astype(jnp.int32)
-        qtok = jnp.take_along_axis(ctx.prompt, qpos, axis=1)
+        qtok, qpos = _question(ctx, q)
         n_ans = (m - 1) * bs
         with_draft = self.draft and ctx.draft is not None
         if with_draft:  # the draft, then masks to a whole number of blocks (at least blocks - 1)
@@ -184,10 +189,8 @@ class QuestionLookahead:
         if self.with_masks:
             return Question(self.tokens, self.blocks, self.hide_cached, self.pool).mass(cache, ctx) / self.blocks
         cache = _hide_question(self, cache, ctx)
-        plen, q = ctx.plen, self.tokens
-        b = plen.shape[0]
-        qpos = jnp.maximum(plen[:, None] - q + jnp.arange(q)[None], 0).astype(jnp.int32)
-        qtok = jnp.take_along_axis(ctx.prompt, qpos, axis=1)
+        q, b = self.tokens, ctx.plen.shape[0]
+        qtok, qpos = _question(ctx, q)
         rows = jnp.broadcast_to(ctx.active[:, None], (b, q))
         with stat_pool(self.pool):
             return ctx.forward(cache, qtok, qpos, _full(b, q), rows)
