@@ -222,6 +222,22 @@ def test_draft_pass_feeds_the_first_pass_answer_to_bounded_prefill():
     assert len(out.tokens[0]) == 8
 
 
+def test_draft_capacity_is_the_first_pass_budget_and_its_peak_counts():
+    """draft_capacity_pct: the first pass keeps that budget (its draft is that policy's answer);
+    the second keeps its own, so the end memory is the second pass's, the peak the larger one."""
+    m = tiny_model("sdar", num_layers=2)
+    prompts = _prompts((300,))
+    gc = GenerationConfig(max_new_tokens=8, prefill_chunk=32, stop_at_eos=False)
+    pol = QuestionAwareMaskAhead(**SMALL, question_tokens=12, draft_tokens=8, draft_capacity_pct=60)
+    n, first = pol.draft_pass()
+    assert first == dataclasses.replace(pol, draft_tokens=0, draft_capacity_pct=0.0, capacity_pct=60.0)
+    out = generate(m, prompts, gc, policy=pol)
+    wide = generate(m, prompts, gc, policy=first)
+    assert out.stats["draft"]["nfe"] == wide.stats["nfe"]
+    assert out.stats["kv_bytes_peak"] == wide.stats["kv_bytes_peak"]  # the wide first pass's peak
+    assert out.stats["kv_bytes_final"][0] < wide.stats["kv_bytes_final"][0] / 3  # C = 10%, not 60%
+
+
 def test_q_maskahead_draft_is_q_maskahead_qa_with_a_96_token_draft_and_mean_max_rows():
     pol = make("q-maskahead-draft", 20)
     assert pol.name == "q-maskahead-draft" and pol.head_alloc == "adakv" and pol.bits == 4
@@ -528,6 +544,10 @@ def test_bad_settings_are_clear_errors():
         generate(m, [[1, 2, 3]], gc, policy=QuestionAwareMaskAhead(**SMALL, draft_tokens=-1))
     with pytest.raises(PolicyError, match="draft_tokens needs bounded_prefill=True"):
         generate(m, [[1, 2, 3]], gc, policy=QuestionAwareMaskAhead(**SMALL, draft_tokens=4, bounded_prefill=False))
+    with pytest.raises(PolicyError, match="draft_capacity_pct=30 needs draft_tokens > 0"):
+        generate(m, [[1, 2, 3]], gc, policy=QuestionAwareMaskAhead(**SMALL, draft_capacity_pct=30))
+    with pytest.raises(PolicyError, match="draft_capacity_pct must be in"):
+        generate(m, [[1, 2, 3]], gc, policy=QuestionAwareMaskAhead(**SMALL, draft_tokens=4, draft_capacity_pct=130))
     with pytest.raises(ValueError, match="needs a block-causal model"):
         generate(tiny_model("llada"), [[1, 2, 3]], gc, policy=QuestionAwareMaskAhead(**SMALL, draft_tokens=4))
     with pytest.raises(PolicyError, match="question_pool must be one of"):

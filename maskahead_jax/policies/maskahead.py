@@ -210,6 +210,9 @@ class QuestionAwareMaskAhead(MaskAhead):
     draft_tokens     n > 0: generate first runs this policy without a draft for n new tokens (at
                      most max_new_tokens), and bounded prefill's question probe reads that answer
                      in its mask blocks (`draft_pass`; block-causal models)
+    draft_capacity_pct  > 0: the first pass keeps this budget instead of capacity_pct (a draft
+                     read from more of the prompt; the run's peak is the larger pass's, the end
+                     memory the second's); 0: the run's own budget
     prefill_budget   "seen": bounded prefill keeps C(seen so far); "prompt": C(whole stored
                      prompt) from the first chunk on (the peak grows to C(prompt) + one chunk)
     Measured in docs/results.md §2c-4: the draft with mean+max rows is the best row
@@ -230,6 +233,7 @@ class QuestionAwareMaskAhead(MaskAhead):
     first_block_probe: str = "lookahead"
     question_pool: str = "mean"
     draft_tokens: int = 0
+    draft_capacity_pct: float = 0.0
     prefill_budget: str = "seen"
 
     def draft_pass(self):
@@ -237,7 +241,10 @@ class QuestionAwareMaskAhead(MaskAhead):
         tokens; bounded prefill's question probe then reads that answer in its mask blocks."""
         if self.draft_tokens <= 0:
             return None
-        return self.draft_tokens, dataclasses.replace(self, draft_tokens=0)
+        first = dataclasses.replace(self, draft_tokens=0, draft_capacity_pct=0.0)
+        if self.draft_capacity_pct:
+            first = dataclasses.replace(first, capacity_pct=float(self.draft_capacity_pct))
+        return self.draft_tokens, first
 
     @property
     def eviction(self) -> Optional[Eviction]:
@@ -283,6 +290,15 @@ class QuestionAwareMaskAhead(MaskAhead):
         if self.draft_tokens and not (self.bounded_prefill or self.first_block_probe == "question"):
             raise PolicyError("draft_tokens needs bounded_prefill=True or first_block_probe=question: "
                               "only their question probe reads the draft")
+        if self.draft_capacity_pct:
+            if not self.draft_tokens:
+                raise PolicyError(f"draft_capacity_pct={self.draft_capacity_pct:g} needs draft_tokens > 0: "
+                                  "it is the first (drafting) pass's budget")
+            if not 0 < self.draft_capacity_pct <= 100:
+                raise PolicyError(f"draft_capacity_pct must be in (0, 100], got {self.draft_capacity_pct}")
+            if self.capacity_entries:
+                raise PolicyError("draft_capacity_pct is a percentage of the prompt; with an absolute "
+                                  f"budget (capacity_entries={self.capacity_entries}) leave it 0")
         if self.question_pool not in POOLS:
             raise PolicyError(f"question_pool must be one of {'|'.join(POOLS)}, got {self.question_pool!r}")
         if self.hide_question not in ("none", "blocks", "all"):
