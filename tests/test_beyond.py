@@ -186,6 +186,16 @@ def test_question_probe_reads_a_draft_in_its_answer_blocks():
     Question(5, 3).mass(None, StepContext(**base, draft=short))  # not asked: masks
     for toks, _, _ in calls[-2:]:
         assert toks.shape == (2, 13) and (toks[:, 5:] == 3).all()
+    # interleaved: two forwards, the even then the odd drafted positions masked again; the mass
+    # is their mean (each forward here returns its own constant)
+    calls.clear()
+    outs = iter([jnp.full((1, 2, 1, 8), 2.0), jnp.full((1, 2, 1, 8), 4.0)])
+    ctx = StepContext(**dict(base, forward=lambda *a: (forward(*a), next(outs))[1]), draft=short)
+    got = Question(5, 3, draft=True, draft_probe="interleaved").mass(None, ctx)
+    assert len(calls) == 2 and np.allclose(np.asarray(got), 3.0 * 3)  # mean of 2 and 4, times blocks
+    (even, pe, _), (odd, po, _) = calls
+    assert even[0, 5:].tolist() == [3, 51, 3, 3, 3, 3, 3, 3] and odd[0, 5:].tolist() == [50, 3, 52, 3, 3, 3, 3, 3]
+    assert even[:, :5].tolist() == odd[:, :5].tolist() and (pe == po).all()
 
 
 def test_draft_pass_feeds_the_first_pass_answer_to_bounded_prefill():
@@ -247,6 +257,8 @@ def test_q_maskahead_draft_is_q_maskahead_qa_with_a_96_token_draft_and_mean_max_
     assert pol.eviction.prefill_probe.pool == pol.eviction.probe.pool == "mean+max"
     qa = make("q-maskahead-qa", 20, draft_tokens=96, question_pool="mean+max")
     assert pol.eviction == qa.eviction and pol.selector == qa.selector
+    assert pol.eviction.prefill_probe.draft_probe == "tokens"
+    assert make("q-maskahead-draft", 20, draft_probe="interleaved").eviction.prefill_probe.draft_probe == "interleaved"
 
 
 def test_step0_weight_scales_the_block_evictions_step0_mass():
@@ -544,6 +556,8 @@ def test_bad_settings_are_clear_errors():
         generate(m, [[1, 2, 3]], gc, policy=QuestionAwareMaskAhead(**SMALL, draft_tokens=-1))
     with pytest.raises(PolicyError, match="draft_tokens needs bounded_prefill=True"):
         generate(m, [[1, 2, 3]], gc, policy=QuestionAwareMaskAhead(**SMALL, draft_tokens=4, bounded_prefill=False))
+    with pytest.raises(PolicyError, match="draft_probe must be tokens"):
+        generate(m, [[1, 2, 3]], gc, policy=QuestionAwareMaskAhead(**SMALL, draft_tokens=4, draft_probe="masks"))
     with pytest.raises(PolicyError, match="draft_capacity_pct=30 needs draft_tokens > 0"):
         generate(m, [[1, 2, 3]], gc, policy=QuestionAwareMaskAhead(**SMALL, draft_capacity_pct=30))
     with pytest.raises(PolicyError, match="draft_capacity_pct must be in"):

@@ -210,6 +210,9 @@ class QuestionAwareMaskAhead(MaskAhead):
     draft_tokens     n > 0: generate first runs this policy without a draft for n new tokens (at
                      most max_new_tokens), and bounded prefill's question probe reads that answer
                      in its mask blocks (`draft_pass`; block-causal models)
+    draft_probe      how bounded prefill's probe reads the draft (probes.Question.draft_probe):
+                     "tokens" (as drafted) or "interleaved" (two forwards, its even / odd
+                     positions masked again, so mask queries ask for each drafted position)
     draft_capacity_pct  > 0: the first pass keeps this budget instead of capacity_pct (a draft
                      read from more of the prompt; the run's peak is the larger pass's, the end
                      memory the second's); 0: the run's own budget
@@ -234,6 +237,7 @@ class QuestionAwareMaskAhead(MaskAhead):
     question_pool: str = "mean"
     draft_tokens: int = 0
     draft_capacity_pct: float = 0.0
+    draft_probe: str = "tokens"
     prefill_budget: str = "seen"
 
     def draft_pass(self):
@@ -253,7 +257,7 @@ class QuestionAwareMaskAhead(MaskAhead):
             return ev
         m = self.lookahead_blocks
         question = Question(self.question_tokens, m, self.hide_question == "all",  # bounded prefill's probe
-                            self.question_pool, draft=self.draft_tokens > 0)
+                            self.question_pool, draft=self.draft_tokens > 0, draft_probe=self.draft_probe)
         if self.step0_weight != 1.0:
             ev = dataclasses.replace(ev, step0_weight=self.step0_weight)
         if self.question_every:
@@ -290,6 +294,8 @@ class QuestionAwareMaskAhead(MaskAhead):
         if self.draft_tokens and not (self.bounded_prefill or self.first_block_probe == "question"):
             raise PolicyError("draft_tokens needs bounded_prefill=True or first_block_probe=question: "
                               "only their question probe reads the draft")
+        if self.draft_probe not in ("tokens", "interleaved"):
+            raise PolicyError(f"draft_probe must be tokens|interleaved, got {self.draft_probe!r}")
         if self.draft_capacity_pct:
             if not self.draft_tokens:
                 raise PolicyError(f"draft_capacity_pct={self.draft_capacity_pct:g} needs draft_tokens > 0: "

@@ -142,6 +142,10 @@ class Question:
     hide_cached: bool = False  # the probe reads its own question, not the cached copy too
     pool: str = "mean"  # how its rows' attention is pooled: reference.POOLS (pool_rows)
     draft: bool = False  # the answer blocks open with ctx.draft (a first pass's answer), if any
+    # "tokens": the draft's tokens as they are; "interleaved": two forwards, the draft's even
+    # then its odd positions masked again, their masses averaged: every drafted position is
+    # asked for by a mask query (what a block's masks read while it is half written)
+    draft_probe: str = "tokens"
 
     def mass(self, cache, ctx: StepContext) -> jax.Array:
         cache = _hide_question(self, cache, ctx)
@@ -157,10 +161,17 @@ class Question:
         answer = jnp.full((b, n_ans), ctx.mask_id, jnp.int32)
         if with_draft:
             answer = answer.at[:, :ctx.draft.shape[1]].set(ctx.draft.astype(jnp.int32))
-        toks = jnp.concatenate([qtok, answer], 1)
         pos = jnp.concatenate([qpos, mpos], 1)
+        answers = [answer]
+        if with_draft and self.draft_probe == "interleaved":
+            parity = jnp.arange(n_ans)[None] % 2
+            answers = [jnp.where(parity == p, ctx.mask_id, answer) for p in (0, 1)]
+        mass = 0.0
         with stat_pool(self.pool):
-            return ctx.forward(cache, toks, pos, _full(b, toks.shape[1]), jnp.ones(toks.shape, bool)) * m
+            for ans in answers:
+                toks = jnp.concatenate([qtok, ans], 1)
+                mass = mass + ctx.forward(cache, toks, pos, _full(b, toks.shape[1]), jnp.ones(toks.shape, bool))
+        return mass * (m / len(answers))
 
     def span(self, cache, ctx: StepContext) -> jax.Array:
         """[L, B, Hkv, N] the question's cache entries (the prompt's last `tokens` positions;
