@@ -10,7 +10,9 @@ whose tasks ran in two folders (`--tasks longanswer,twohop` into A, the others i
 Scores are percentages (x 100); the suite mean is the mean over tasks of the task means (as the
 eval's summary); KV reduction end / peak are the means over examples of the per-example ratios;
 sign tests pair by example id, ties dropped (evaluation.stats.paired_sign_test). The scores and
-reductions are `maskahead eval`'s own summary (evaluation.sweep.summarize). Prints JSON with --json.
+reductions are `maskahead eval`'s own summary (evaluation.sweep.summarize). `--gap NAME` adds a
+column: the suite-mean gap to reference NAME in points with its 95% paired bootstrap interval
+(evaluation.stats.paired_bootstrap_gap, resampled within tasks). Prints JSON with --json.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import json
 import os
 import sys
 
-from maskahead_jax.evaluation.stats import paired_sign_test
+from maskahead_jax.evaluation.stats import paired_bootstrap_gap, paired_sign_test
 from maskahead_jax.evaluation.sweep import load_rows, row_key, summarize
 
 
@@ -58,6 +60,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("runs", nargs="+", help="run folders (results.jsonl)")
     ap.add_argument("--ref", action="append", default=[], help="NAME=FOLDER:POLICY[@CAPACITY]")
+    ap.add_argument("--gap", action="append", default=[], metavar="NAME",
+                    help="add the suite-mean gap to reference NAME with a 95%% bootstrap interval")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     refs = {}
@@ -66,6 +70,9 @@ def main(argv=None) -> int:
         refs[name] = scores_of(load(folder), pol, cap)
         if not refs[name]:
             raise SystemExit(f"--ref {spec!r}: no rows of {pol} at capacity {cap} in {folder}")
+    unknown = [g for g in a.gap if g not in refs]
+    if unknown:
+        raise SystemExit(f"--gap {unknown[0]!r}: no --ref of that name (have: {', '.join(refs) or 'none'})")
     out = []
     for folder in a.runs:
         rows = load(folder)
@@ -74,17 +81,22 @@ def main(argv=None) -> int:
             out.append(dict(run=folder, policy=run["policy"], capacity=run["capacity"], n=run["n"],
                             mean=run["score"], tasks=run["per_dataset"], red_end=run["reduction_final_mean"],
                             red_peak=run["reduction_peak_mean"],
-                            tests={n: paired_sign_test(scores, ref) for n, ref in refs.items()}))
+                            tests={n: paired_sign_test(scores, ref) for n, ref in refs.items()},
+                            gaps={g: {k: (100 * v if k != "n" else v)
+                                      for k, v in paired_bootstrap_gap(scores, refs[g]).items()}
+                                  for g in a.gap}))
     if a.json:
         print(json.dumps(out, indent=1))
         return 0
     for s in out:
         tasks = " | ".join(f"{v:.1f}" for v in s["tasks"].values())
-        tests = " | ".join(f"+{t['wins']}/-{t['losses']} (p = {t['p']:.2g})" for t in s["tests"].values())
+        tests = " | ".join([f"+{t['wins']}/-{t['losses']} (p = {t['p']:.2g})" for t in s["tests"].values()]
+                           + [f"{g['gap']:+.1f} [{g['lo']:+.1f}, {g['hi']:+.1f}]" for g in s["gaps"].values()])
         print(f"| {s['policy']} | {s['capacity']} | {s['mean']:.1f} | {tasks} | {s['red_end']:.2f}x | "
               f"{s['red_peak']:.2f}x | {tests} |  n={s['n']} {s['run']}")
     if out:
-        print("tasks:", ", ".join(out[0]["tasks"]), "| tests:", ", ".join(refs), file=sys.stderr)
+        print("tasks:", ", ".join(out[0]["tasks"]), "| tests:", ", ".join(refs),
+              "| gaps to:", ", ".join(a.gap) or "-", file=sys.stderr)
     return 0
 
 

@@ -24,3 +24,24 @@ def test_ablation_rows_joins_split_task_folders(tmp_path):
     assert [r["id"] for r in ablation_rows.load(f"{a}+{b}")] == ["longanswer/x/1", "twohop/x/1", "docqa/x/1"]
     with pytest.raises(SystemExit, match="repeats 1 examples"):
         ablation_rows.load(f"{a}+{c}")
+
+
+def test_ablation_rows_gap_column_is_the_bootstrap_gap_in_points(tmp_path, capsys):
+    """--gap NAME: the suite-mean gap to a reference in points with its 95% interval; a name
+    that is no --ref is refused."""
+    d = tmp_path / "r"
+    d.mkdir()
+    ids = [f"{t}/x/{k}" for t in ("docqa", "twohop") for k in range(4)]
+    rows = [dict(policy="dense", capacity=None, id=i, dataset=i.split("/")[0], score=1.0) for i in ids]
+    rows += [dict(policy="p", capacity=20.0, id=i, dataset=i.split("/")[0], score=0.5 if i == "twohop/x/0" else 1.0)
+             for i in ids]
+    mem = dict(dense_bytes_final=1.0, kv_bytes_final=1.0, dense_bytes_peak=1.0, kv_bytes_peak=1.0,
+               reduction_final=1.0, reduction_peak=1.0, nfe=1)
+    (d / "results.jsonl").write_text("".join(json.dumps(dict(r, **mem)) + "\n" for r in rows))
+    ablation_rows.main([str(d), "--ref", f"dense={d}:dense", "--gap", "dense", "--json"])
+    out = {r["policy"]: r for r in json.loads(capsys.readouterr().out)}
+    g = out["p"]["gaps"]["dense"]
+    assert g["gap"] == pytest.approx(-100 * 0.5 / 4 / 2) and g["lo"] <= g["gap"] <= g["hi"] <= 0
+    assert out["dense"]["gaps"]["dense"] == dict(n=8, gap=0.0, lo=0.0, hi=0.0)
+    with pytest.raises(SystemExit, match="--gap 'x': no --ref"):
+        ablation_rows.main([str(d), "--ref", f"dense={d}:dense", "--gap", "x"])

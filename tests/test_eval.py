@@ -10,7 +10,7 @@ from maskahead_jax.evaluation import datasets as D
 from maskahead_jax.evaluation import plots as PL
 from maskahead_jax.evaluation import policies as PO
 from maskahead_jax.evaluation.presets import preset_config
-from maskahead_jax.evaluation.stats import paired_sign_test, sign_test
+from maskahead_jax.evaluation.stats import paired_bootstrap_gap, paired_sign_test, sign_test
 from maskahead_jax.config import GenerationConfig
 from maskahead_jax.evaluation.sweep import RunMismatch, auto_bucket, load_rows, run_sweep, to_markdown
 from maskahead_jax.policies import Dense
@@ -36,6 +36,27 @@ def test_paired_sign_test_drops_ties_and_unpaired():
     t = paired_sign_test(a, b)
     assert (t["n"], t["wins"], t["losses"], t["ties"]) == (4, 3, 0, 1)
     assert t["p"] == pytest.approx(2 / 8)
+
+
+def test_paired_bootstrap_gap_is_the_suite_mean_difference_with_a_stratified_interval():
+    """gap = mean over tasks of the task's mean paired difference (the suite mean's weighting, not
+    the pooled examples'); the interval resamples within tasks, so a task whose differences are
+    all equal contributes no width and identical runs give [0, 0]."""
+    rng = np.random.RandomState(0)
+    ids = [f"{t}/{t}/2048/{k}" for t in ("docqa", "twohop") for k in range(30)] + ["passkey/p/1"]
+    a = {i: float(rng.rand() < 0.8) for i in ids}
+    b = {i: float(rng.rand() < 0.7) for i in ids}
+    b["unpaired"] = 1.0
+    g = paired_bootstrap_gap(a, b, n_boot=4000)
+    want = np.mean([np.mean([a[i] - b[i] for i in ids if i.startswith(t)]) for t in ("docqa", "twohop", "passkey")])
+    assert g["n"] == len(ids) and g["gap"] == pytest.approx(want)
+    assert g["lo"] < g["gap"] < g["hi"] and g["hi"] - g["lo"] > 0.05
+    assert paired_bootstrap_gap(a, a) == dict(n=len(ids), gap=0.0, lo=0.0, hi=0.0)
+    shifted = {i: (a[i] - 0.5 if i.startswith("twohop") else a[i]) for i in ids}  # one task, a fixed shift
+    s = paired_bootstrap_gap(shifted, a, n_boot=500)
+    assert (s["gap"], s["lo"], s["hi"]) == pytest.approx((-0.5 / 3,) * 3)
+    with pytest.raises(ValueError, match="no example id"):
+        paired_bootstrap_gap({"x": 1.0}, {"y": 1.0})
 
 
 # ----------------------------------------------------------------------------- LongBench
