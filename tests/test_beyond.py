@@ -248,6 +248,22 @@ def test_draft_capacity_is_the_first_pass_budget_and_its_peak_counts():
     assert out.stats["kv_bytes_final"][0] < wide.stats["kv_bytes_final"][0] / 3  # C = 10%, not 60%
 
 
+def test_a_drafted_run_warns_of_its_budget_once():
+    """The first pass's BudgetWarning is the run's own note: it is given once, not once per pass."""
+    import warnings
+
+    from maskahead_jax.generate import BudgetWarning
+
+    m = tiny_model("sdar", num_layers=2)
+    pol = QuestionAwareMaskAhead(**SMALL, question_tokens=12, draft_tokens=4)
+    assert pol.budget_note([70])  # capacity_floor=24 of a 70-token prompt: more than 10%
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        generate(m, _prompts((70,)), GenerationConfig(max_new_tokens=4, prefill_chunk=32), policy=pol)
+    notes = [w for w in caught if issubclass(w.category, BudgetWarning)]
+    assert [str(w.message) for w in notes] == [pol.budget_note([70])]
+
+
 def test_q_maskahead_draft_is_q_maskahead_qa_with_a_96_token_draft_and_mean_max_rows():
     pol = make("q-maskahead-draft", 20)
     assert pol.name == "q-maskahead-draft" and pol.head_alloc == "adakv" and pol.bits == 4

@@ -132,7 +132,7 @@ def generate(model, prompts: Sequence[Sequence[int]], config: GenerationConfig =
     draft = None
     first = policy.draft_pass()
     if first is not None:
-        draft, first = _draft(model, prompts, config, first, cfg, jit=jit, cache_dtype=cache_dtype,
+        draft, first = _draft(model, prompts, config, first, cfg, policy, jit=jit, cache_dtype=cache_dtype,
                               bucket=bucket, mesh=mesh)
     note = policy.budget_note([len(p) for p in prompts])
     if note:
@@ -173,9 +173,11 @@ def generate(model, prompts: Sequence[Sequence[int]], config: GenerationConfig =
     return out
 
 
-def _draft(model, prompts, config: GenerationConfig, first, cfg: ModelConfig, **kw):
+def _draft(model, prompts, config: GenerationConfig, first, cfg: ModelConfig, run_policy, **kw):
     """The first pass of a policy's `draft_pass`: (n, policy) -> ([B, n'] int32 drafted answers,
-    mask id after each row's end, the first pass's GenerateOutput); n' = min(n, max_new_tokens)."""
+    mask id after each row's end, the first pass's GenerateOutput); n' = min(n, max_new_tokens).
+    The first pass's warnings are passed on, except a BudgetWarning the run itself gives (the
+    same budget note twice); a first pass with its own budget (draft_capacity_pct) keeps its own."""
     n, policy = first
     n = min(n, config.max_new_tokens)  # never drafted past the answer's own length limit
     if cfg.attention == "bidirectional":
@@ -186,8 +188,14 @@ def _draft(model, prompts, config: GenerationConfig, first, cfg: ModelConfig, **
     if n <= 0 or policy.draft_pass() is not None:
         raise ValueError(f"draft_pass must give n > 0 new tokens and a policy without a draft pass, "
                          f"got n={n}, {policy.draft_pass()}")
-    out = generate(model, prompts, dataclasses.replace(config, max_new_tokens=n, timings=False),
-                   policy, **kw)
+    with warnings.catch_warnings(record=True) as caught:  # the run warns of its own budget
+        warnings.simplefilter("always")
+        out = generate(model, prompts, dataclasses.replace(config, max_new_tokens=n, timings=False),
+                       policy, **kw)
+    run_note = run_policy.budget_note([len(p) for p in prompts])
+    for w in caught:  # re-issued, but not a first-pass BudgetWarning the run will repeat
+        if not (issubclass(w.category, BudgetWarning) and str(w.message) == run_note):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     arr = np.full((len(prompts), n), cfg.mask_token_id, np.int32)
     for i, row in enumerate(out.tokens):
         arr[i, :len(row)] = row[:n]
