@@ -129,12 +129,12 @@ def generate(model, prompts: Sequence[Sequence[int]], config: GenerationConfig =
     policy = policy if policy is not None else Dense()
     policy.validate(cfg, gen)
     prompts = _validate_prompts(prompts, cfg, gen)
+    note = policy.budget_note([len(p) for p in prompts])
     draft = None
     first = policy.draft_pass()
     if first is not None:
-        draft, first = _draft(model, prompts, config, first, cfg, policy, jit=jit, cache_dtype=cache_dtype,
+        draft, first = _draft(model, prompts, config, first, cfg, note, jit=jit, cache_dtype=cache_dtype,
                               bucket=bucket, mesh=mesh)
-    note = policy.budget_note([len(p) for p in prompts])
     if note:
         warnings.warn(note, BudgetWarning, stacklevel=2)
     dtype = jnp.dtype(cache_dtype or model.params["embed"].dtype)
@@ -173,11 +173,12 @@ def generate(model, prompts: Sequence[Sequence[int]], config: GenerationConfig =
     return out
 
 
-def _draft(model, prompts, config: GenerationConfig, first, cfg: ModelConfig, run_policy, **kw):
+def _draft(model, prompts, config: GenerationConfig, first, cfg: ModelConfig, run_note, **kw):
     """The first pass of a policy's `draft_pass`: (n, policy) -> ([B, n'] int32 drafted answers,
     mask id after each row's end, the first pass's GenerateOutput); n' = min(n, max_new_tokens).
-    The first pass's warnings are passed on, except a BudgetWarning the run itself gives (the
-    same budget note twice); a first pass with its own budget (draft_capacity_pct) keeps its own."""
+    The first pass's warnings are passed on, except a BudgetWarning saying the run's own
+    `run_note` (the same note twice); a first pass with its own budget (draft_capacity_pct)
+    keeps its own."""
     n, policy = first
     n = min(n, config.max_new_tokens)  # never drafted past the answer's own length limit
     if cfg.attention == "bidirectional":
@@ -192,7 +193,6 @@ def _draft(model, prompts, config: GenerationConfig, first, cfg: ModelConfig, ru
         warnings.simplefilter("always")
         out = generate(model, prompts, dataclasses.replace(config, max_new_tokens=n, timings=False),
                        policy, **kw)
-    run_note = run_policy.budget_note([len(p) for p in prompts])
     for w in caught:  # re-issued, but not a first-pass BudgetWarning the run will repeat
         if not (issubclass(w.category, BudgetWarning) and str(w.message) == run_note):
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)

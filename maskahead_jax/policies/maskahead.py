@@ -245,10 +245,9 @@ class QuestionAwareMaskAhead(MaskAhead):
         tokens; bounded prefill's question probe then reads that answer in its mask blocks."""
         if self.draft_tokens <= 0:
             return None
-        first = dataclasses.replace(self, draft_tokens=0, draft_capacity_pct=0.0)
-        if self.draft_capacity_pct:
-            first = dataclasses.replace(first, capacity_pct=float(self.draft_capacity_pct))
-        return self.draft_tokens, first
+        return self.draft_tokens, dataclasses.replace(
+            self, draft_tokens=0, draft_capacity_pct=0.0,
+            capacity_pct=float(self.draft_capacity_pct) if self.draft_capacity_pct else self.capacity_pct)
 
     @property
     def eviction(self) -> Optional[Eviction]:
