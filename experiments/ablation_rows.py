@@ -12,7 +12,9 @@ eval's summary); KV reduction end / peak are the means over examples of the per-
 sign tests pair by example id, ties dropped (evaluation.stats.paired_sign_test). The scores and
 reductions are `maskahead eval`'s own summary (evaluation.sweep.summarize). `--gap NAME` adds a
 column: the suite-mean gap to reference NAME in points with its 95% paired bootstrap interval
-(evaluation.stats.paired_bootstrap_gap, resampled within tasks). Prints JSON with --json.
+(evaluation.stats.paired_bootstrap_gap, resampled within tasks). `--by-task NAME` adds one line
+per row: the sign test against reference NAME within each task (issue 40 compares candidates with
+the released MaskAhead per task). Prints JSON with --json.
 """
 from __future__ import annotations
 
@@ -46,6 +48,20 @@ def scores_of(rows, policy: str, capacity) -> dict:
     return {r["id"]: r["score"] for r in rows if r["policy"] == policy and r.get("capacity") == capacity}
 
 
+def tasks_of(rows) -> dict:
+    """{example id: task} (the row's dataset)."""
+    return {r["id"]: r["dataset"] for r in rows}
+
+
+def by_task(scores: dict, ref: dict, task: dict) -> dict:
+    """{task: sign test of scores against ref on that task's examples}, tasks in first-seen order."""
+    out = {}
+    for t in dict.fromkeys(task[i] for i in scores):
+        mine = {i: s for i, s in scores.items() if task[i] == t}
+        out[t] = paired_sign_test(mine, ref)
+    return out
+
+
 def parse_ref(spec: str):
     """NAME=FOLDER:POLICY[@CAPACITY] -> (name, folder, policy, capacity or None)."""
     name, _, rest = spec.partition("=")
@@ -62,6 +78,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ref", action="append", default=[], help="NAME=FOLDER:POLICY[@CAPACITY]")
     ap.add_argument("--gap", action="append", default=[], metavar="NAME",
                     help="add the suite-mean gap to reference NAME with a 95%% bootstrap interval")
+    ap.add_argument("--by-task", action="append", default=[], metavar="NAME",
+                    help="add the per-task sign tests against reference NAME")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     refs = {}
@@ -70,12 +88,14 @@ def main(argv=None) -> int:
         refs[name] = scores_of(load(folder), pol, cap)
         if not refs[name]:
             raise SystemExit(f"--ref {spec!r}: no rows of {pol} at capacity {cap} in {folder}")
-    unknown = [g for g in a.gap if g not in refs]
-    if unknown:
-        raise SystemExit(f"--gap {unknown[0]!r}: no --ref of that name (have: {', '.join(refs) or 'none'})")
+    for flag, names in (("--gap", a.gap), ("--by-task", a.by_task)):
+        unknown = [g for g in names if g not in refs]
+        if unknown:
+            raise SystemExit(f"{flag} {unknown[0]!r}: no --ref of that name (have: {', '.join(refs) or 'none'})")
     out = []
     for folder in a.runs:
         rows = load(folder)
+        task = tasks_of(rows)
         for run in summarize(rows)["runs"]:  # the eval's own summary: scores, reductions
             scores = scores_of(rows, run["policy"], run["capacity"])
             out.append(dict(run=folder, policy=run["policy"], capacity=run["capacity"], n=run["n"],
@@ -84,7 +104,8 @@ def main(argv=None) -> int:
                             tests={n: paired_sign_test(scores, ref) for n, ref in refs.items()},
                             gaps={g: {k: (100 * v if k != "n" else v)
                                       for k, v in paired_bootstrap_gap(scores, refs[g]).items()}
-                                  for g in a.gap}))
+                                  for g in a.gap},
+                            by_task={n: by_task(scores, refs[n], task) for n in a.by_task}))
     if a.json:
         print(json.dumps(out, indent=1))
         return 0
@@ -94,6 +115,9 @@ def main(argv=None) -> int:
                            + [f"{g['gap']:+.1f} [{g['lo']:+.1f}, {g['hi']:+.1f}]" for g in s["gaps"].values()])
         print(f"| {s['policy']} | {s['capacity']} | {s['mean']:.1f} | {tasks} | {s['red_end']:.2f}x | "
               f"{s['red_peak']:.2f}x | {tests} |  n={s['n']} {s['run']}")
+        for n, per in s["by_task"].items():
+            print(f"    vs {n} by task: " + ", ".join(f"{t} +{r['wins']}/-{r['losses']} (p = {r['p']:.2g})"
+                                                 for t, r in per.items()))
     if out:
         print("tasks:", ", ".join(out[0]["tasks"]), "| tests:", ", ".join(refs),
               "| gaps to:", ", ".join(a.gap) or "-", file=sys.stderr)
