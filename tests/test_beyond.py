@@ -248,6 +248,23 @@ def test_draft_capacity_is_the_first_pass_budget_and_its_peak_counts():
     assert out.stats["kv_bytes_final"][0] < wide.stats["kv_bytes_final"][0] / 3  # C = 10%, not 60%
 
 
+def test_draft_past_answer_drafts_draft_tokens_whatever_the_answer_limit():
+    """The draft is at most the run's max_new_tokens, unless draft_past_answer: then it runs for
+    draft_tokens (a short answer's draft goes on into the model's continuation); the first pass
+    itself never drafts."""
+    m = tiny_model("sdar", num_layers=2)
+    pol = QuestionAwareMaskAhead(**SMALL, question_tokens=12, draft_tokens=12)
+    past = dataclasses.replace(pol, draft_past_answer=True)
+    assert pol.draft_pass(8)[0] == 8 and pol.draft_pass(20)[0] == 12 and pol.draft_pass()[0] == 12
+    n, first = past.draft_pass(8)
+    assert n == 12 and first == dataclasses.replace(pol, draft_tokens=0) and first.draft_pass(8) is None
+    gc = GenerationConfig(max_new_tokens=4, prefill_chunk=32, stop_at_eos=False)
+    out = generate(m, _prompts((70,)), gc, policy=past)
+    assert out.stats["draft"]["tokens"] == [12] and len(out.tokens[0]) == 4
+    with pytest.raises(PolicyError, match="draft_past_answer=True needs draft_tokens"):
+        generate(m, [[1, 2, 3]], gc, policy=QuestionAwareMaskAhead(**SMALL, draft_past_answer=True))
+
+
 def test_a_drafted_run_warns_of_its_budget_once():
     """The first pass's BudgetWarning is the run's own note: it is given once, not once per pass."""
     import warnings

@@ -131,7 +131,7 @@ def generate(model, prompts: Sequence[Sequence[int]], config: GenerationConfig =
     prompts = _validate_prompts(prompts, cfg, gen)
     note = policy.budget_note([len(p) for p in prompts])
     draft = None
-    first = policy.draft_pass()
+    first = policy.draft_pass(config.max_new_tokens)
     if first is not None:
         draft, first = _draft(model, prompts, config, first, cfg, note, jit=jit, cache_dtype=cache_dtype,
                               bucket=bucket, mesh=mesh)
@@ -174,21 +174,21 @@ def generate(model, prompts: Sequence[Sequence[int]], config: GenerationConfig =
 
 
 def _draft(model, prompts, config: GenerationConfig, first, cfg: ModelConfig, run_note, **kw):
-    """The first pass of a policy's `draft_pass`: (n, policy) -> ([B, n'] int32 drafted answers,
-    mask id after each row's end, the first pass's GenerateOutput); n' = min(n, max_new_tokens).
+    """The first pass of a policy's `draft_pass`: (n, policy) -> ([B, n] int32 drafted answers,
+    mask id after each row's end, the first pass's GenerateOutput); the policy caps n (at the
+    run's max_new_tokens unless it drafts past the answer).
     The first pass's warnings are passed on, except a BudgetWarning saying the run's own
     `run_note` (the same note twice); a first pass with its own budget (draft_capacity_pct)
     keeps its own."""
     n, policy = first
-    n = min(n, config.max_new_tokens)  # never drafted past the answer's own length limit
     if cfg.attention == "bidirectional":
         raise ValueError(f"{type(policy).__name__}: a drafted first pass (draft_pass) needs a "
                          f"block-causal model; {cfg.family} is bidirectional")
     if kw.get("mesh") is not None:
         raise ValueError("a drafted first pass (draft_pass) does not run under a device mesh yet")
-    if n <= 0 or policy.draft_pass() is not None:
+    if n <= 0 or policy.draft_pass(n) is not None:
         raise ValueError(f"draft_pass must give n > 0 new tokens and a policy without a draft pass, "
-                         f"got n={n}, {policy.draft_pass()}")
+                         f"got n={n}, {policy.draft_pass(n)}")
     with warnings.catch_warnings(record=True) as caught:  # the run warns of its own budget
         warnings.simplefilter("always")
         out = generate(model, prompts, dataclasses.replace(config, max_new_tokens=n, timings=False),

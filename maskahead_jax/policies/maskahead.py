@@ -213,6 +213,10 @@ class QuestionAwareMaskAhead(MaskAhead):
     draft_probe      how bounded prefill's probe reads the draft (probes.Question.draft_probe):
                      "tokens" (as drafted) or "interleaved" (two forwards, its even / odd
                      positions masked again, so mask queries ask for each drafted position)
+    draft_past_answer  False: the draft is at most the run's max_new_tokens (the answer's own
+                     length limit); True: draft_tokens whatever that limit, so a short answer's
+                     draft goes on into the model's continuation (it asks itself about other
+                     documents or cases, and those queries probe the prompt too)
     draft_capacity_pct  > 0: the first pass keeps this budget instead of capacity_pct (a draft
                      read from more of the prompt; the run's peak is the larger pass's, the end
                      memory the second's); 0: the run's own budget
@@ -239,14 +243,19 @@ class QuestionAwareMaskAhead(MaskAhead):
     draft_capacity_pct: float = 0.0
     draft_probe: str = "tokens"
     prefill_budget: str = "seen"
+    draft_past_answer: bool = False
 
-    def draft_pass(self):
+    def draft_pass(self, max_new_tokens: Optional[int] = None):
         """draft_tokens > 0: generate first runs this policy without a draft for draft_tokens new
-        tokens; bounded prefill's question probe then reads that answer in its mask blocks."""
+        tokens (at most max_new_tokens, the run's answer limit, unless draft_past_answer); bounded
+        prefill's question probe then reads that answer in its mask blocks."""
         if self.draft_tokens <= 0:
             return None
-        return self.draft_tokens, dataclasses.replace(
-            self, draft_tokens=0, draft_capacity_pct=0.0,
+        n = self.draft_tokens
+        if max_new_tokens is not None and not self.draft_past_answer:
+            n = min(n, int(max_new_tokens))
+        return n, dataclasses.replace(
+            self, draft_tokens=0, draft_capacity_pct=0.0, draft_past_answer=False,
             capacity_pct=float(self.draft_capacity_pct) if self.draft_capacity_pct else self.capacity_pct)
 
     @property
@@ -293,6 +302,8 @@ class QuestionAwareMaskAhead(MaskAhead):
         if self.draft_tokens and not (self.bounded_prefill or self.first_block_probe == "question"):
             raise PolicyError("draft_tokens needs bounded_prefill=True or first_block_probe=question: "
                               "only their question probe reads the draft")
+        if self.draft_past_answer and not self.draft_tokens:
+            raise PolicyError("draft_past_answer=True needs draft_tokens > 0: it sets how far the draft runs")
         if self.draft_probe not in ("tokens", "interleaved"):
             raise PolicyError(f"draft_probe must be tokens|interleaved, got {self.draft_probe!r}")
         if self.draft_capacity_pct:

@@ -31,9 +31,10 @@ A policy is a frozen, hashable dataclass (a static jit argument). The engine
                                          sets what is kept for these prompts (or None)
   first_block_special                    (property) on_block reads ctx.first: the engine traces
                                          the first block apart (default True; Dense: False)
-  draft_pass()                           None, or (n, policy): generate first runs `policy` for n
+  draft_pass(max_new_tokens)             None, or (n, policy): generate first runs `policy` for n
                                          new tokens, and this run's hooks read them as ctx.draft
-                                         (a drafted answer for probes; block-causal models)
+                                         (a drafted answer for probes; block-causal models);
+                                         max_new_tokens: the run's answer limit (None: unknown)
 
 `Policy` below implements every hook as the exact full cache does (nothing selected, nothing
 evicted), so a policy overrides only what it changes. Most policies are compositions of a
@@ -157,7 +158,7 @@ class Policy:
     def budget_note(self, prompt_lens) -> Optional[str]:
         return None
 
-    def draft_pass(self) -> Optional[tuple]:
+    def draft_pass(self, max_new_tokens: Optional[int] = None) -> Optional[tuple]:
         return None
 
 
