@@ -223,7 +223,8 @@ class QuestionAwareMaskAhead(MaskAhead):
     prefill_budget   "seen": bounded prefill keeps C(seen so far); "prompt": C(whole stored
                      prompt) from the first chunk on (the peak grows to C(prompt) + one chunk)
     Measured in docs/results.md §2c-4: the draft with mean+max rows is the best row
-    (`q-maskahead-draft`).
+    (`q-maskahead-draft`); §2c-5 / §2c-6: draft_capacity_pct, draft_probe="interleaved" and
+    draft_past_answer do not beat it (knobs, off by default).
     """
 
     name = "maskahead-qa"
