@@ -26,6 +26,13 @@ def test_ablation_rows_joins_split_task_folders(tmp_path):
         ablation_rows.load(f"{a}+{c}")
 
 
+def _write_results(d, rows):
+    """A run folder's results.jsonl: the given rows with unit memory / NFE fields (summarize reads them)."""
+    mem = dict(dense_bytes_final=1.0, kv_bytes_final=1.0, dense_bytes_peak=1.0, kv_bytes_peak=1.0,
+               reduction_final=1.0, reduction_peak=1.0, nfe=1)
+    (d / "results.jsonl").write_text("".join(json.dumps(dict(r, **mem)) + "\n" for r in rows))
+
+
 def test_ablation_rows_gap_column_is_the_bootstrap_gap_in_points(tmp_path, capsys):
     """--gap NAME: the suite-mean gap to a reference in points with its 95% interval; a name
     that is no --ref is refused."""
@@ -35,9 +42,7 @@ def test_ablation_rows_gap_column_is_the_bootstrap_gap_in_points(tmp_path, capsy
     rows = [dict(policy="dense", capacity=None, id=i, dataset=i.split("/")[0], score=1.0) for i in ids]
     rows += [dict(policy="p", capacity=20.0, id=i, dataset=i.split("/")[0], score=0.5 if i == "twohop/x/0" else 1.0)
              for i in ids]
-    mem = dict(dense_bytes_final=1.0, kv_bytes_final=1.0, dense_bytes_peak=1.0, kv_bytes_peak=1.0,
-               reduction_final=1.0, reduction_peak=1.0, nfe=1)
-    (d / "results.jsonl").write_text("".join(json.dumps(dict(r, **mem)) + "\n" for r in rows))
+    _write_results(d, rows)
     ablation_rows.main([str(d), "--ref", f"dense={d}:dense", "--gap", "dense", "--json"])
     out = {r["policy"]: r for r in json.loads(capsys.readouterr().out)}
     g = out["p"]["gaps"]["dense"]
@@ -56,9 +61,7 @@ def test_ablation_rows_by_task_is_the_sign_test_within_each_task(tmp_path, capsy
     # the candidate wins every long answer and loses one two-hop example
     rows += [dict(policy="p", capacity=20.0, id=i, dataset=i.split("/")[0],
                   score=1.0 if i.startswith("longanswer") else (0.0 if i == "twohop/x/0" else 0.5)) for i in ids]
-    mem = dict(dense_bytes_final=1.0, kv_bytes_final=1.0, dense_bytes_peak=1.0, kv_bytes_peak=1.0,
-               reduction_final=1.0, reduction_peak=1.0, nfe=1)
-    (d / "results.jsonl").write_text("".join(json.dumps(dict(r, **mem)) + "\n" for r in rows))
+    _write_results(d, rows)
     ablation_rows.main([str(d), "--ref", f"ref={d}:ref@20", "--by-task", "ref", "--json"])
     per = {r["policy"]: r for r in json.loads(capsys.readouterr().out)}["p"]["by_task"]["ref"]
     assert list(per) == ["longanswer", "twohop"]
