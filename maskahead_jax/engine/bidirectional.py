@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from .. import memory
 from ..cache import KVCache
 from ..decoding import commit, shift_logits
+from ..kernels import masks
 from ..model import Context, Segment, lm_head, model_step
 from ..sharding import constrain_cache
 from .state import dense_segments, full_mask, row_take
@@ -45,7 +46,7 @@ def bidirectional_core(params, prompt, plen, key, draft=None, *, cfg, gen, polic
     rpos = plen[:, None] + jnp.arange(g, dtype=jnp.int32)[None]
     all_pos = jnp.concatenate([ppos, rpos], axis=1)
     key_valid = jnp.concatenate([pvalid, jnp.ones((b, g), bool)], axis=1)
-    both_mask = jnp.broadcast_to(key_valid[:, None, :], (b, pb + g, pb + g))
+    both_mask = masks.bidirectional(all_pos, key_valid)  # O(T): no [B, P+G, P+G] boolean
 
     def full_pass(resp):
         """Forward of [prompt | response]: the prompt cache, response logits, last-prompt logits."""

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import quant
-from . import dispatch, quant_reference, reference
+from . import dispatch, masks, quant_reference, reference
 
 CHOICES = ("auto", "reference", "kernels")
 # Pass 2 of the Mosaic GPU kernel keeps every query row of a (batch, KV head) in shared memory:
@@ -142,9 +142,13 @@ def attend(q, ctx, k_blk, v_blk, blk_mask, stat_rows: Optional[jax.Array] = None
     """
     choice = current()
     if ctx is None:
-        if choice.impl == "reference":
-            return reference.attention(q, None, None, None, k_blk, v_blk, blk_mask)
-        return fused_block_attention(q, k_blk, v_blk, blk_mask), None
+        # a long pass with no context (the bidirectional full pass, an uncached forward) runs the
+        # chunked jnp attention on every backend: O(T) memory, where dot_product_attention
+        # would need its [B, H, T, T] mask materialised
+        if choice.impl == "reference" or (isinstance(blk_mask, masks.PositionMask)
+                                          and reference.is_long(q.shape[3], 0)):
+            return reference.attention_any(q, None, None, None, k_blk, v_blk, blk_mask)
+        return fused_block_attention(q, k_blk, v_blk, masks.dense(blk_mask)), None
     kc, vc, valid = ctx
     packed = isinstance(kc, quant.QuantKV)
     impl = choice.impl
@@ -152,7 +156,7 @@ def attend(q, ctx, k_blk, v_blk, blk_mask, stat_rows: Optional[jax.Array] = None
     if pool != "mean":
         if packed:
             return quant_reference.attention_quant(q, kc, valid, k_blk, v_blk, blk_mask, stat_rows, pool)
-        return reference.attention(q, kc, vc, valid, k_blk, v_blk, blk_mask, stat_rows, pool)
+        return reference.attention_any(q, kc, vc, valid, k_blk, v_blk, blk_mask, stat_rows, pool)
     if impl != "reference" and stat_rows is not None and impl == "pallas_gpu" \
             and q.shape[2] * q.shape[3] > GPU_MAX_STAT_ROWS:
         impl = "reference"
@@ -161,9 +165,9 @@ def attend(q, ctx, k_blk, v_blk, blk_mask, stat_rows: Optional[jax.Array] = None
             impl = dispatch.resolve_impl(None, packed=True) if not choice.interpret else impl
         if impl == "reference":
             return quant_reference.attention_quant(q, kc, valid, k_blk, v_blk, blk_mask, stat_rows)
-        return dispatch.scored_attention_quant(q, kc, valid, k_blk, v_blk, blk_mask, stat_rows,
+        return dispatch.scored_attention_quant(q, kc, valid, k_blk, v_blk, masks.dense(blk_mask), stat_rows,
                                                impl=impl, interpret=choice.interpret)
     if impl == "reference":
-        return reference.attention(q, kc, vc, valid, k_blk, v_blk, blk_mask, stat_rows)
-    return dispatch.scored_attention(q, kc, vc, valid, k_blk, v_blk, blk_mask, stat_rows,
+        return reference.attention_any(q, kc, vc, valid, k_blk, v_blk, blk_mask, stat_rows)
+    return dispatch.scored_attention(q, kc, vc, valid, k_blk, v_blk, masks.dense(blk_mask), stat_rows,
                                      impl=impl, interpret=choice.interpret)

@@ -24,4 +24,4 @@ def attention_quant(q: jax.Array, ctx: quant.QuantKV, ctx_valid: jax.Array, k_bl
     Returns (out [B, Hkv, G, T, D] in q.dtype, ScoredStats [B, Hkv, S] or None).
     """
     k_ctx, v_ctx = quant.dequantize_kv(ctx, jnp.float32)
-    return reference.attention(q, k_ctx, v_ctx, ctx_valid, k_blk, v_blk, blk_mask, stat_rows, pool)
+    return reference.attention_any(q, k_ctx, v_ctx, ctx_valid, k_blk, v_blk, blk_mask, stat_rows, pool)

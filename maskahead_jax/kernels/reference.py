@@ -112,3 +112,201 @@ def attention(q, k_ctx, v_ctx, ctx_valid, k_blk, v_blk, blk_mask,
             mass = prefix_mass(lc, ctx_valid, stat_rows, pool)
         stats = ScoredStats(mass, value_score(mass, v_ctx))
     return out.astype(q.dtype), stats
+
+
+# ----------------------------------------------------------------------------- long passes
+# A pass whose [T, S + T] logits would be large runs over query chunks and key chunks with an
+# online softmax (running max, sum, output per row), as flash attention does: its temporaries
+# are O(q_chunk x k_chunk) per head instead of O(T x (S + T)); the statistics are pooled chunk by
+# chunk into [B, Hkv, S] sums. Short passes (every decode block, every test-sized pass) keep the
+# exact one-softmax code above. `chunking(...)` changes the thresholds for the forwards traced
+# inside (tests force tiny chunks; a trace-time setting like attention.use).
+import contextlib as _contextlib  # noqa: E402
+import contextvars as _contextvars  # noqa: E402
+import math as _math  # noqa: E402
+
+from .masks import PositionMask, dense as _dense_mask  # noqa: E402
+
+
+class Chunking(NamedTuple):
+    q: int = 512  # query rows per chunk
+    k: int = 1024  # keys per chunk
+    min_elems: int = 1 << 21  # chunk a pass when T * (S + T) exceeds this (per (batch, head))
+
+
+_CHUNKING: _contextvars.ContextVar[Chunking] = _contextvars.ContextVar("maskahead_chunking",
+                                                                       default=Chunking())
+
+
+@_contextlib.contextmanager
+def chunking(q: int = 512, k: int = 1024, min_elems: int = 1 << 21):
+    """Run the long-pass path for the forwards traced inside whenever T * (S + T) > min_elems."""
+    if q <= 0 or k <= 0 or min_elems < 0:
+        raise ValueError(f"chunk sizes must be positive and min_elems >= 0, got {q}, {k}, {min_elems}")
+    token = _CHUNKING.set(Chunking(q, k, min_elems))
+    try:
+        yield
+    finally:
+        _CHUNKING.reset(token)
+
+
+def current_chunking() -> Chunking:
+    return _CHUNKING.get()
+
+
+def is_long(t: int, s: int) -> bool:
+    """Whether a pass of t queries over s context keys (plus its own t) takes the chunked path."""
+    return t * (s + t) > _CHUNKING.get().min_elems
+
+
+def _pad_axis(x, axis, n, value=0):
+    pad = n - x.shape[axis]
+    if pad <= 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def _online(state, lg, allowed, v):
+    """One key chunk into the running softmax state (m, l, acc) of a query chunk.
+    lg [B, Hkv, G, Tq, Sk] float32, allowed broadcastable to it, v [B, Hkv, Sk, D]."""
+    m, l, acc = state
+    lg = jnp.where(allowed, lg, NEG_INF)
+    m_new = jnp.maximum(m, lg.max(-1))
+    corr = jnp.exp(m - m_new)
+    p = jnp.where(allowed, jnp.exp(lg - m_new[..., None]), 0.0)
+    acc = acc * corr[..., None] + jnp.einsum("bhgts,bhsd->bhgtd", p.astype(v.dtype), v,
+                                             preferred_element_type=jnp.float32)
+    return m_new, l * corr + p.sum(-1), acc
+
+
+def _block_tile(blk_mask, qp, q0, k0, cq, ck, kb_pos, kb_valid):
+    """[B, 1, 1, Tq, Sk] tile of the block mask (a PositionMask, or a dense boolean sliced)."""
+    if isinstance(blk_mask, PositionMask):
+        t = blk_mask.tile(qp, kb_pos, kb_valid)
+    else:
+        t = jax.lax.dynamic_slice_in_dim(jax.lax.dynamic_slice_in_dim(blk_mask, q0, cq, 1), k0, ck, 2)
+    return t[:, None, None]
+
+
+def attention_chunked(q, k_ctx, v_ctx, ctx_valid, k_blk, v_blk, blk_mask,
+                      stat_rows: Optional[jax.Array] = None, pool: str = "mean",
+                      q_chunk: Optional[int] = None, k_chunk: Optional[int] = None):
+    """`attention` in O(chunk) temporaries: same contract, same results up to float rounding.
+
+    Keys are [context (S, validity ctx_valid) | block (T, blk_mask)]; each query chunk runs an
+    online softmax over the context's key chunks (only up to the last valid context slot),
+    then over the block's key chunks (a chunk the mask forbids entirely is skipped). The
+    statistics pool each row's prefix-only softmax (or the joint one for "max_joint") in a
+    second sweep over the context chunks, from the row's own (max, sum)."""
+    ch = _CHUNKING.get()
+    cq, ck = q_chunk or ch.q, k_chunk or ch.k
+    b, hkv, g, t, d = q.shape
+    cq = min(cq, t)
+    nq = _math.ceil(t / cq)
+    tp = nq * cq
+    scale = 1.0 / jnp.sqrt(jnp.float32(d))
+    qc = _pad_axis(q, 3, tp).reshape(b, hkv, g, nq, cq, d)
+    if isinstance(blk_mask, PositionMask):
+        qpos = _pad_axis(blk_mask.q_pos, 1, tp).reshape(b, nq, cq)
+        ckb = min(ck, t)
+        nkb = _math.ceil(t / ckb)
+        kb_pos = _pad_axis(blk_mask.k_pos, 1, nkb * ckb)
+        kv = blk_mask.k_valid if blk_mask.k_valid is not None else jnp.ones(blk_mask.k_pos.shape, bool)
+        kb_valid = _pad_axis(kv, 1, nkb * ckb, False)
+    else:
+        qpos, ckb = jnp.zeros((b, nq, cq), jnp.int32), min(ck, t)
+        nkb = _math.ceil(t / ckb)
+        blk_mask = _pad_axis(_pad_axis(blk_mask, 1, tp, False), 2, nkb * ckb, False)
+        kb_pos = kb_valid = None
+    kb = _pad_axis(k_blk, 2, nkb * ckb)
+    vb = _pad_axis(v_blk, 2, nkb * ckb)
+
+    has_ctx = k_ctx is not None
+    if has_ctx:
+        s = k_ctx.shape[2]
+        ckc = min(ck, s)
+        nkc = _math.ceil(s / ckc)
+        kc = _pad_axis(k_ctx, 2, nkc * ckc)
+        vc = _pad_axis(v_ctx, 2, nkc * ckc)
+        cvalid = _pad_axis(ctx_valid, 2, nkc * ckc, False)
+        last = jnp.max(jnp.where(cvalid, jnp.arange(nkc * ckc), -1))
+        n_live = (last + ckc) // ckc  # context chunks up to the last valid slot (0 when none)
+        want_stats = stat_rows is not None
+    else:
+        want_stats = False
+    rows = _pad_axis(stat_rows, 1, tp, False).reshape(b, nq, cq) if want_stats else None
+
+    def ctx_logits(qi, j):
+        k = jax.lax.dynamic_slice_in_dim(kc, j * ckc, ckc, 2)
+        return _logits(qi, k, scale), jax.lax.dynamic_slice_in_dim(cvalid, j * ckc, ckc, 2)
+
+    def one_query_chunk(carry, i):
+        qi = qc[:, :, :, i]  # [B, Hkv, G, Cq, D]
+        qp = qpos[:, i]
+        state = (jnp.full((b, hkv, g, cq), NEG_INF, jnp.float32), jnp.zeros((b, hkv, g, cq), jnp.float32),
+                 jnp.zeros((b, hkv, g, cq, d), jnp.float32))
+        if has_ctx:
+            def ctx_step(j, st):
+                lg, ok = ctx_logits(qi, j)
+                return _online(st, lg, ok[:, :, None, None, :], jax.lax.dynamic_slice_in_dim(vc, j * ckc, ckc, 2))
+            state = jax.lax.fori_loop(0, n_live, ctx_step, state)
+        m_ctx, l_ctx = state[0], state[1]
+
+        def blk_step(st, j):
+            allowed = _block_tile(blk_mask, qp, i * cq, j * ckb, cq, ckb,
+                                  None if kb_pos is None else jax.lax.dynamic_slice_in_dim(kb_pos, j * ckb, ckb, 1),
+                                  None if kb_valid is None else jax.lax.dynamic_slice_in_dim(kb_valid, j * ckb, ckb, 1))
+            upd = lambda st: _online(st, _logits(qi, jax.lax.dynamic_slice_in_dim(kb, j * ckb, ckb, 2), scale),
+                                     allowed, jax.lax.dynamic_slice_in_dim(vb, j * ckb, ckb, 2))
+            return jax.lax.cond(jnp.any(allowed), upd, lambda st: st, st), None
+
+        state, _ = jax.lax.scan(blk_step, state, jnp.arange(nkb))
+        m, l, acc = state
+        out = (acc / jnp.maximum(l, 1e-30)[..., None]).astype(q.dtype)
+        if want_stats:
+            m_ref, l_ref = (m, l) if pool == "max_joint" else (m_ctx, l_ctx)
+            w = rows[:, i].astype(jnp.float32)  # [B, Cq]
+
+            def stat_step(j, acc_stats):
+                msum, mmax = acc_stats
+                lg, ok = ctx_logits(qi, j)
+                p = jnp.where(ok[:, :, None, None, :],
+                              jnp.exp(lg - m_ref[..., None]) / jnp.maximum(l_ref, 1e-30)[..., None], 0.0)
+                psum = jnp.einsum("bhgts,bt->bhs", p, w)
+                pmax = jnp.max(p * w[:, None, None, :, None], axis=(2, 3))
+                upd = lambda a, x: jax.lax.dynamic_update_slice_in_dim(
+                    a, x, j * ckc, 2)
+                cur = lambda a: jax.lax.dynamic_slice_in_dim(a, j * ckc, ckc, 2)
+                return upd(msum, cur(msum) + psum), upd(mmax, jnp.maximum(cur(mmax), pmax))
+            carry = jax.lax.fori_loop(0, n_live, stat_step, carry)
+        return carry, out
+
+    zeros = jnp.zeros((b, hkv, nkc * ckc) if has_ctx else (1,), jnp.float32)
+    (msum, mmax), outs = jax.lax.scan(one_query_chunk, (zeros, zeros), jnp.arange(nq))
+    out = jnp.moveaxis(outs, 0, 3).reshape(b, hkv, g, tp, d)[:, :, :, :t]
+    if not want_stats:
+        return out, None
+    msum, mmax = msum[..., :s], mmax[..., :s]
+    n = jnp.maximum(stat_rows.astype(jnp.float32).sum(-1), 1.0) * g
+    mean = msum / n[:, None, None]
+    if pool == "mean":
+        mass = mean
+    elif pool in ("max", "max_joint"):
+        mass = mmax
+    elif pool == "mean+max":
+        mass = mean + mmax / jnp.maximum(mmax.sum(-1, keepdims=True), 1e-30)
+    else:
+        raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
+    return out, ScoredStats(mass, value_score(mass, v_ctx))
+
+
+def attention_any(q, k_ctx, v_ctx, ctx_valid, k_blk, v_blk, blk_mask,
+                  stat_rows: Optional[jax.Array] = None, pool: str = "mean"):
+    """`attention` for a mask in either form: the chunked path for a long pass, else the exact
+    one-softmax path on the materialised mask."""
+    s = 0 if k_ctx is None else k_ctx.shape[2]
+    if is_long(q.shape[3], s):
+        return attention_chunked(q, k_ctx, v_ctx, ctx_valid, k_blk, v_blk, blk_mask, stat_rows, pool)
+    return attention(q, k_ctx, v_ctx, ctx_valid, k_blk, v_blk, _dense_mask(blk_mask), stat_rows, pool)

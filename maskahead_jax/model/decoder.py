@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from ..config import ModelConfig
+from ..kernels import masks
 from ..kernels.attention import attend
 from .layers import apply_rope, rms_norm, rope_tables, swiglu
 from .moe import moe_mlp
@@ -216,21 +217,20 @@ def block_causal_mask(positions: jax.Array, block_size: int) -> jax.Array:
 
 
 def full_mask(positions: jax.Array, attention: str, block_size: int,
-              key_valid: Optional[jax.Array] = None) -> jax.Array:
+              key_valid: Optional[jax.Array] = None) -> masks.PositionMask:
+    """The self-attention mask of a whole sequence at `positions` [B, T], as a predicate of the
+    positions (kernels.masks): O(T), never a [B, T, T] boolean until a short pass asks for it."""
     if attention == "bidirectional":
-        m = jnp.ones(positions.shape + positions.shape[-1:], bool)
-    elif attention == "block_causal":
-        m = block_causal_mask(positions, block_size)
-    else:
-        raise ValueError(f"attention must be 'bidirectional' or 'block_causal', got {attention!r}")
-    if key_valid is not None:
-        m = m & key_valid[:, None, :]
-    return m
+        return masks.bidirectional(positions, key_valid)
+    if attention == "block_causal":
+        return masks.block_causal(positions, block_size, key_valid)
+    raise ValueError(f"attention must be 'bidirectional' or 'block_causal', got {attention!r}")
 
 
 def forward_hidden(params, cfg: ModelConfig, tokens, positions=None, attention=None,
                    mask=None) -> jax.Array:
-    """Uncached forward, final hidden states [B, T, D]. `mask` [B, T, T] overrides `attention`."""
+    """Uncached forward, final hidden states [B, T, D]. `mask` ([B, T, T] or a PositionMask)
+    overrides `attention`."""
     b, t = tokens.shape
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
