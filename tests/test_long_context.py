@@ -126,3 +126,21 @@ def test_no_t_by_t_array_in_a_long_forward(family):
     with reference.chunking(min_elems=1 << 40):
         jaxpr = jax.make_jaxpr(lambda p, x: forward_logits(p, m.config, x))(m.params, toks)
     assert _big_shapes(jaxpr.jaxpr, t)
+
+
+@pytest.mark.parametrize("name,kw", [("maskkv", {}), ("maskkv", dict(budget_per_head=6, budget_pct=None)),
+                                     ("pyramidkv", {}), ("adakv", {})])
+def test_maskkv_layer_by_layer_equals_online(name, kw):
+    """The cut made inside the full pass, layer by layer, keeps the same entries and gives the
+    same tokens as the online variant (full pass, vote forward, cut); its peak is lower."""
+    m = tiny_model("llada")
+    prompts = [list(range(1, 40)), list(range(3, 25))]
+    gen = GenerationConfig(max_new_tokens=16, block_size=8, threshold=0.9)
+    lw = make(name, 20, **kw)
+    online = make(name, 20, layerwise=False, **kw)
+    assert lw.prompt_layerwise and not online.prompt_layerwise
+    a, b = generate(m, prompts, gen, policy=lw), generate(m, prompts, gen, policy=online)
+    assert a.tokens == b.tokens
+    np.testing.assert_array_equal(np.asarray(a.stats["kv_bytes_final"]), np.asarray(b.stats["kv_bytes_final"]))
+    assert np.all(np.asarray(a.stats["kv_bytes_peak"]) < np.asarray(b.stats["kv_bytes_peak"]))
+    assert a.stats["nfe"][0] == b.stats["nfe"][0] - 1  # no separate vote forward

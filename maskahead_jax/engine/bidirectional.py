@@ -16,8 +16,9 @@ import jax.numpy as jnp
 from .. import memory
 from ..cache import KVCache
 from ..decoding import commit, shift_logits
-from ..kernels import masks
+from ..kernels import masks, reference
 from ..model import Context, Segment, lm_head, model_step
+from ..model.decoder import project_qkv
 from ..sharding import constrain_cache
 from .state import dense_segments, full_mask, row_take
 
@@ -65,10 +66,16 @@ def bidirectional_core(params, prompt, plen, key, draft=None, *, cfg, gen, polic
         return lm_head(params, cfg, o.hidden)
 
     resp0 = jnp.full((b, g), mask_id, jnp.int32)
-    cache, logits, last = full_pass(resp0)
+    layerwise = policy.prompt_layerwise
+    if layerwise:  # MaskKV's offline-budget mode: the prompt is cut inside the first full pass
+        cache, logits, last = full_pass_layerwise(params, cfg, prompt, resp0, plen, all_pos, key_valid,
+                                                  both_mask, policy, cache_dtype)
+    else:
+        cache, logits, last = full_pass(resp0)
     if phase == "prefill":  # timing runs: the first full pass builds the prompt cache
         return dict(prev=last, kv_bytes=policy.held_bytes(cache))
-    peak_bytes = policy.held_bytes(cache)
+    # the layer-by-layer pass held the others' cut prompts plus one layer's whole prompt
+    peak_bytes = policy.held_bytes(cache) + (plen * hkv * cache.bytes_per_token if layerwise else 0.0)
 
     def vote(window=None):
         """Voting at the first step, in one softmax over [prompt | response] keys (the response's
@@ -88,9 +95,9 @@ def bidirectional_core(params, prompt, plen, key, draft=None, *, cfg, gen, polic
         return model_step(params, cfg, toks, pos, jnp.zeros((b, t, t), bool), [Segment(0, L, ctx)],
                           rows).mass
 
-    compressed = policy.on_prompt(cache, vote, plen)
+    compressed = None if layerwise else policy.on_prompt(cache, vote, plen)
     nfe = jnp.int32(1)
-    refresh = gen.prompt_refresh
+    refresh = 0 if layerwise else gen.prompt_refresh
     if compressed is not None:
         cache, nfe, refresh = compressed, nfe + 1, 0  # a compressed prompt is never refreshed
     active = jnp.ones((b,), bool)
@@ -127,3 +134,54 @@ def bidirectional_core(params, prompt, plen, key, draft=None, *, cfg, gen, polic
                 kv_bytes=kvb, dense_bytes=dense, kv_peak=jnp.maximum(kvb, peak_bytes),
                 dense_peak=dense, live=s.cache.live().max(axis=(0, 2)), seen=s.cache.seen,
                 capacity=jnp.int32(s.cache.capacity), evictions=jnp.int32(0), blocks=s.blk)
+
+
+def layer_vote(p, cfg, x_in, cos, sin, k, v, key_valid, rows, rows_ok):
+    """One layer's vote inside the full pass: the rows `rows` [B, R] (their hidden states
+    x_in [B, P+G, D] at this layer's input) attend over all keys k/v [B, Hkv, P+G, Dh] of the pass
+    in one softmax, exactly as they do in it; their mass pooled by the mean over the voting rows
+    `rows_ok` [B, R] and the group -> [B, Hkv, P+G]. Chunked for long passes (reference.attention_any)."""
+    take = lambda a: jnp.take_along_axis(a, rows.reshape(rows.shape + (1,) * (a.ndim - 2)), axis=1)
+    q, _, _ = project_qkv(p, take(x_in), take(cos), take(sin), cfg)
+    b, hkv, _, r, dh = q.shape
+    valid = jnp.broadcast_to(key_valid[:, None, :], (b, hkv, key_valid.shape[1]))
+    nothing = jnp.zeros((b, hkv, r, dh), k.dtype)  # no block keys: the whole pass is the context
+    _, stats = reference.attention_any(q, k, v, valid, nothing, nothing, jnp.zeros((b, r, r), bool),
+                                       rows_ok, "mean")
+    return stats.mass
+
+
+def full_pass_layerwise(params, cfg, prompt, resp, plen, all_pos, key_valid, mask, policy, cache_dtype):
+    """The first full forward of [prompt | response] with the prompt compressed layer by layer
+    (MaskKV with budgets known offline, maskkv.md §8): right after layer l runs, its voters'
+    attention ranks its prompt K/V, and only the kept entries leave the layer, so the pass holds
+    one layer's whole prompt K/V at a time plus the other layers' budgets. Same cache, logits and
+    last-prompt logits as the online variant (a full pass, a vote forward, then the cut)."""
+    b, pb = prompt.shape
+    g, L, hkv = resp.shape[1], cfg.num_layers, cfg.num_kv_heads
+    ppos = all_pos[:, :pb]
+    pvalid = key_valid[:, :pb]
+    window = policy.prompt_voters
+    if window is None:  # the response's mask queries vote
+        rows, rows_ok = pb + jnp.arange(g, dtype=jnp.int32)[None].repeat(b, 0), jnp.ones((b, g), bool)
+    else:  # the prompt's last `window` tokens (rows of shorter prompts vote with fewer)
+        wpos = plen[:, None] - window + jnp.arange(window, dtype=jnp.int32)[None]
+        rows, rows_ok = jnp.maximum(wpos, 0), wpos >= 0
+
+    def hook(layer, p, x_in, cos, sin, k, v):
+        mass = layer_vote(p, cfg, x_in, cos, sin, k, v, key_valid, rows, rows_ok)
+        valid = jnp.broadcast_to(pvalid[None, :, None, :], (1, b, hkv, pb))
+        one = KVCache(k=k[None, :, :, :pb].astype(cache_dtype), v=v[None, :, :, :pb].astype(cache_dtype),
+                      pos=jnp.where(valid, ppos[None, :, None, :], -1), valid=valid,
+                      acc=jnp.zeros(valid.shape, jnp.float32), length=plen.astype(jnp.int32),
+                      seen=plen.astype(jnp.int32))
+        cut = policy.compress_layer(layer, one, mass[None], plen, L)
+        return cut.k[0], cut.v[0], cut.pos[0], cut.valid[0], cut.acc[0]
+
+    out = model_step(params, cfg, jnp.concatenate([prompt, resp], 1), all_pos, mask,
+                     [Segment(0, L, None)], layer_hook=hook)
+    k, v, pos, valid, acc = out.k
+    cache = KVCache(k=k, v=v, pos=pos, valid=valid, acc=acc,
+                    length=valid.sum(-1).max(axis=(0, 2)).astype(jnp.int32), seen=plen.astype(jnp.int32))
+    last = lm_head(params, cfg, row_take(out.hidden, plen - 1))
+    return constrain_cache(cache), lm_head(params, cfg, out.hidden[:, pb:]), last

@@ -123,16 +123,19 @@ def _attention_block(p, x, cos, sin, cfg: ModelConfig, ctx, blk_mask, stat_rows)
     return x + out, kb, vb, stats
 
 
-def _layer(cfg: ModelConfig, moe: bool, with_stats: bool, query_rows=None):
+def _layer(cfg: ModelConfig, moe: bool, with_stats: bool, query_rows=None, layer_hook=None):
     def body(carry, xs):
         x, cos, sin, blk_mask, stat_rows = carry
-        p, ctx = xs
+        p, ctx, layer = xs
+        x_in = x
         qm = () if query_rows is None else query_moments(p, x, cfg, query_rows)
         x, kb, vb, stats = _attention_block(p, x, cos, sin, cfg, ctx, blk_mask,
                                             stat_rows if with_stats else None)
         h = rms_norm(x, p["mlp_norm"], cfg.rms_eps)
         x = x + (moe_mlp(p["moe"], h, cfg) if moe else swiglu(p["mlp"], h))
-        ys = (kb, vb) + ((stats.mass, stats.score) if with_stats else ()) + tuple(qm)
+        # a layer hook keeps what it makes of the layer's K/V instead of the K/V themselves
+        kv = (kb, vb) if layer_hook is None else (layer_hook(layer, p, x_in, cos, sin, kb, vb), None)
+        ys = kv + ((stats.mass, stats.score) if with_stats else ()) + tuple(qm)
         return (x, cos, sin, blk_mask, stat_rows), ys
 
     return body
@@ -152,13 +155,19 @@ def _pieces(cfg: ModelConfig, segments: Sequence[Segment]):
 
 
 def run_layers(params, cfg: ModelConfig, x, positions, blk_mask, segments: Sequence[Segment],
-               stat_rows: Optional[jax.Array] = None, query_rows: Optional[jax.Array] = None) -> StepOutput:
+               stat_rows: Optional[jax.Array] = None, query_rows: Optional[jax.Array] = None,
+               layer_hook=None) -> StepOutput:
     """Run every layer over the block x [B, T, D]; segments cover [0, L) in order. query_rows
-    [B, T] (bool): also return every layer's pre-RoPE query moments over those rows."""
+    [B, T] (bool): also return every layer's pre-RoPE query moments over those rows.
+
+    layer_hook(layer, p, x_in, cos, sin, k, v) -> pytree: called inside each layer with its
+    index (traced), parameters, input hidden state and the block's K/V [B, Hkv, T, Dh]; what it
+    returns is stacked over the layers as StepOutput.k (v None) instead of the K/V, so a pass can
+    shrink each layer's K/V before the next layer runs (MaskKV layer by layer)."""
     if segments[0].start != 0 or segments[-1].stop != cfg.num_layers or any(
             a.stop != b.start for a, b in zip(segments[:-1], segments[1:])):
         raise ValueError(f"segments must tile [0, {cfg.num_layers}) in order: {segments}")
-    cos, sin = rope_tables(positions, cfg.rope_dim, cfg.rope_theta)
+    cos, sin = rope_tables(positions, cfg)
     nd = cfg.num_dense_mlp_layers
     with_stats = stat_rows is not None
     if stat_rows is None:
@@ -171,8 +180,9 @@ def run_layers(params, cfg: ModelConfig, x, positions, blk_mask, segments: Seque
         p = _slice(stack, a - off, b - off)
         ctx = None if seg.ctx is None else Context(*_slice(tuple(seg.ctx), a - seg.start, b - seg.start))
         seg_stats = with_stats and ctx is not None
-        body = _layer(cfg, moe, seg_stats, query_rows)
-        (x, *_), ys = jax.lax.scan(body, (x, cos, sin, blk_mask, stat_rows), (p, ctx))
+        body = _layer(cfg, moe, seg_stats, query_rows, layer_hook)
+        (x, *_), ys = jax.lax.scan(body, (x, cos, sin, blk_mask, stat_rows),
+                                   (p, ctx, jnp.arange(a, b, dtype=jnp.int32)))
         ks.append(ys[0])
         vs.append(ys[1])
         if query_rows is not None:
@@ -185,11 +195,13 @@ def run_layers(params, cfg: ModelConfig, x, positions, blk_mask, segments: Seque
             else:
                 raise ValueError("statistics need a context in every segment")
     h = rms_norm(x, params["final_norm"], cfg.rms_eps)
-    cat = lambda xs: xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=0)
+    cat = lambda xs: xs[0] if len(xs) == 1 else jax.tree_util.tree_map(
+        lambda *a: jnp.concatenate(a, axis=0), *xs)
     queries = (cat(q1), cat(q2)) if query_rows is not None else None
+    k, v = cat(ks), (None if layer_hook is not None else cat(vs))
     if with_stats:
-        return StepOutput(h, cat(ks), cat(vs), cat(ms), cat(ss), queries)
-    return StepOutput(h, cat(ks), cat(vs), None, None, queries)
+        return StepOutput(h, k, v, cat(ms), cat(ss), queries)
+    return StepOutput(h, k, v, None, None, queries)
 
 
 def embed(params, tokens: jax.Array) -> jax.Array:
@@ -203,10 +215,10 @@ def lm_head(params, cfg: ModelConfig, h: jax.Array) -> jax.Array:
 
 
 def model_step(params, cfg: ModelConfig, tokens, positions, blk_mask, segments,
-               stat_rows=None, query_rows=None) -> StepOutput:
+               stat_rows=None, query_rows=None, layer_hook=None) -> StepOutput:
     """Embed tokens [B, T] at positions [B, T] and run all layers (see run_layers)."""
     return run_layers(params, cfg, embed(params, tokens), positions, blk_mask, segments, stat_rows,
-                      query_rows)
+                      query_rows, layer_hook)
 
 
 def block_causal_mask(positions: jax.Array, block_size: int) -> jax.Array:

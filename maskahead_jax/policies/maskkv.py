@@ -123,6 +123,10 @@ class MaskKV(Policy):
     window: int = 32  # voters="window": observation window (AdaKV's window_size)
     pool: int = 7  # voters="window": max-pool kernel (AdaKV's kernel_size, pooling maxpool)
     block_causal: bool = False  # accept block-causal models (vote at the first block)
+    # the paper's offline-budget mode: each layer's prompt K/V is voted and cut inside the first
+    # full pass, right after that layer runs, so the peak holds one layer's whole prompt plus the
+    # others' budgets; False: online (every layer's K/V first, then one vote forward, then the cut)
+    layerwise: bool = True
 
     takes_budget = True
 
@@ -203,14 +207,22 @@ class MaskKV(Policy):
             head = math.ceil(self.alpha * kl + (1 - self.alpha) * kv_heads * kl) + 1
         return max(1, min(prompt_cap, head + self.window_size(b)))
 
-    def budgets(self, mass, valid, plen, preference=None):
+    def _layer_kl(self, b_head, num_layers: int, layer):
+        """k_l [L, B]: every layer's budget, or [1, B] the budget of `layer` = (index, L) (a
+        traced index inside the full pass: the budgets are known before any layer runs)."""
+        if layer is None:
+            return self.layer_budgets(b_head, num_layers)
+        l, total = layer
+        return jnp.asarray(self.layer_budgets(b_head, total))[l][None]
+
+    def budgets(self, mass, valid, plen, preference=None, layer=None):
         """Head budgets [L, B, Hkv] for the prompt slots `valid` [L, B, Hkv, N] and the vote
         `mass` [L, B, Hkv, S>=N] (mask voting: joint softmax over [prompt | response]; the scores
         AdaKV's allocation ranks). preference [L, B, Hkv]: the heads' prompt preference P_h
         (Eq. 14); default: the mass on the valid prompt slots."""
         L, _, hkv, n = valid.shape
         scores = jnp.where(valid, mass[..., :n].astype(jnp.float32), 0.0)
-        kl = self.layer_budgets(self.per_head_budget(plen), L)  # [L, B]
+        kl = self._layer_kl(self.per_head_budget(plen), L, layer)  # [L, B]
         if self.head_alloc == "preference":
             pref = scores.sum(-1) if preference is None else preference
             k = head_budgets(kl, pref, self.alpha, exact_total=self.exact_total)
@@ -232,7 +244,7 @@ class MaskKV(Policy):
         return memory.row_bytes(cache.valid, cache.bytes_per_token, False, kept_only=True)
 
     # ------------------------------------------------------------------ compression
-    def compress(self, cache: KVCache, mass, plen, capacity: int, preference=None) -> KVCache:
+    def compress(self, cache: KVCache, mass, plen, capacity: int, preference=None, layer=None) -> KVCache:
         """Cut the prompt lanes (dense, slot = position, plen [B] entries) to their budgets, from
         the vote `mass` [L, B, Hkv, >=N]: mask voting keeps the top-k_{l,h} by mass; window
         voting keeps the window plus the top-k_{l,h} of the rest by pooled mass, the budgets
@@ -240,7 +252,7 @@ class MaskKV(Policy):
         n = cache.capacity
         mass = mass[..., :n].astype(jnp.float32)
         if self.voters == "mask":
-            counts = self.budgets(mass, cache.valid, plen, preference)
+            counts = self.budgets(mass, cache.valid, plen, preference, layer)
             return cache.keep_top(jnp.where(cache.valid, mass, -jnp.inf), jnp.minimum(counts, capacity), capacity)
         b = self.per_head_budget(plen)
         w = self.window_size(b)  # [B]
@@ -248,11 +260,13 @@ class MaskKV(Policy):
         scores = window_scores(mass, cache.valid, forced, self.pool)
         # the prefix outside the window gets B - w per head on average (AdaKV: base_capacity - window)
         n_rest = jnp.maximum(plen - w, 0)
+        n_layers = cache.valid.shape[0] if layer is None else layer[1]
         if self.layer_alloc == "pyramid":
-            kl = pyramid_budgets(jnp.maximum(b - w, 0), cache.valid.shape[0], self.pyramid_beta,
+            kl = pyramid_budgets(jnp.maximum(b - w, 0), n_layers, self.pyramid_beta,
                                  self.exact_total, max_len=n_rest)
+            kl = kl if layer is None else jnp.asarray(kl)[layer[0]][None]
         else:
-            kl = self.layer_budgets(jnp.maximum(b - w, 0), cache.valid.shape[0])  # [L, B]
+            kl = self._layer_kl(jnp.maximum(b - w, 0), n_layers, layer)  # [L, B]
         valid_rest = cache.valid & ~forced
         finite = jnp.where(valid_rest, scores, 0.0)
         if self.head_alloc == "preference":
@@ -271,6 +285,22 @@ class MaskKV(Policy):
         return self.compress(cache, mass, plen, self.buffer_size(n, L, hkv))
 
     # ------------------------------------------------------------------ hooks
+    @property
+    def prompt_layerwise(self) -> bool:
+        return self.layerwise
+
+    @property
+    def prompt_voters(self) -> Optional[int]:
+        """Who votes inside the full pass: None, the response's mask queries; w, the prompt's
+        last w tokens (SnapKV's window)."""
+        return None if self.voters == "mask" else self.window
+
+    def compress_layer(self, layer, cache: KVCache, mass, plen, num_layers: int) -> KVCache:
+        """One layer's prompt (cache with L = 1) cut to its budgets from its vote mass [1, B, Hkv,
+        >= N]: the same cut `compress_prompt` makes of that layer, buffer sized for all layers."""
+        _, _, hkv, n = cache.valid.shape
+        return self.compress(cache, mass, plen, self.buffer_size(n, num_layers, hkv), layer=(layer, num_layers))
+
     def on_prompt(self, cache: KVCache, vote, plen) -> KVCache:
         """Bidirectional families: one vote at the first step, the prompt cut once."""
         return self.compress_prompt(cache, vote() if self.voters == "mask" else vote(self.window), plen)

@@ -152,6 +152,14 @@ class Policy:
     def on_prompt(self, cache: KVCache, vote: Callable[..., jax.Array], plen) -> Optional[KVCache]:
         return None
 
+    # Bidirectional families, compressing inside the first full pass (layer by layer): a policy
+    # whose budgets are known before any layer runs says so, names its voters, and cuts one layer
+    prompt_layerwise = False
+    prompt_voters = None  # (a class attribute, not a field)
+
+    def compress_layer(self, layer, cache: KVCache, mass, plen, num_layers: int) -> KVCache:
+        raise NotImplementedError(f"{self.name} does not compress layer by layer")
+
     def held_bytes(self, cache) -> jax.Array:
         return memory.row_bytes(cache.valid, cache.bytes_per_token, self.keeps_state)
 
