@@ -144,3 +144,25 @@ def test_maskkv_layer_by_layer_equals_online(name, kw):
     np.testing.assert_array_equal(np.asarray(a.stats["kv_bytes_final"]), np.asarray(b.stats["kv_bytes_final"]))
     assert np.all(np.asarray(a.stats["kv_bytes_peak"]) < np.asarray(b.stats["kv_bytes_peak"]))
     assert a.stats["nfe"][0] == b.stats["nfe"][0] - 1  # no separate vote forward
+
+
+@pytest.mark.parametrize("family,policy", [("sdar", None), ("sdar", "maskahead"), ("sdar", "q-maskahead"),
+                                           ("llada", None), ("llada", "maskkv"), ("llada", "maskkv-online")])
+def test_no_t_by_t_array_in_a_long_generate(family, policy):
+    """The whole generate program at a 4096-token prompt (traced, not run) holds no
+    intermediate with two axes of the prompt's length: prefill, refresh, votes, statistics."""
+    import importlib
+
+    from maskahead_jax.policies import Dense
+
+    eng = importlib.import_module("maskahead_jax.engine.generate")
+    m = tiny_model(family, max_position_embeddings=8192, head_dim=32)  # packed caches: 32-wide groups
+    t = 4096
+    gen = GenerationConfig(max_new_tokens=32, block_size=32, prefill_chunk=512).resolve(m.config)
+    pol = make(policy, 10) if policy else Dense()
+    arr = jnp.zeros((1, t), jnp.int32)
+    fn = eng._core_fn(m.config, False)
+    jaxpr = jax.make_jaxpr(lambda p, a, n, k: fn(p, a, n, k, cfg=m.config, gen=gen, policy=pol,
+                                                 cache_dtype=jnp.float32))(
+        m.params, arr, jnp.asarray([t - 3], jnp.int32), jax.random.PRNGKey(0))
+    assert _big_shapes(jaxpr.jaxpr, t) == []

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 import time
 import warnings
 from typing import Sequence
@@ -18,6 +19,7 @@ import numpy as np
 from ..config import GenerationConfig, ModelConfig, ResolvedGeneration
 from .. import compile_cache, numerics
 from ..kernels import attention
+from ..model.rope import for_run as rope_for_run
 from ..policies import Dense
 from ..sharding import run_sharded
 from .bidirectional import bidirectional_core
@@ -44,6 +46,8 @@ def _with_attention(core):
     """The core traced under the attention implementation its generation config asks for."""
     @functools.wraps(core)
     def run(params, prompt, plen, key, draft=None, *, cfg, gen, policy, cache_dtype, phase: str = "all"):
+        # dynamic / longrope RoPE fixed at the run's length (padded prompt + whole generated blocks)
+        cfg = rope_for_run(cfg, prompt.shape[1] + -(-gen.max_new_tokens // gen.block_size) * gen.block_size)
         with attention.use(gen.attention, gen.attention_interpret):
             return core(params, prompt, plen, key, draft, cfg=cfg, gen=gen, policy=policy,
                         cache_dtype=cache_dtype, phase=phase)
@@ -89,16 +93,60 @@ def _attention_for(gen: ResolvedGeneration, mesh) -> ResolvedGeneration:
     return gen
 
 
-def _validate_prompts(prompts, cfg: ModelConfig, gen: ResolvedGeneration):
+_NONE = object()
+_PROMPTS_ARE = "prompts must be a list of token-id lists, e.g. [tok.encode(text)]"
+
+
+def _is_token(t) -> bool:
+    return isinstance(t, numbers.Integral) and not isinstance(t, (bool, np.bool_))
+
+
+def _as_id_lists(prompts) -> list:
+    """`prompts` as a list of lists of Python ints; TypeError / ValueError saying what the
+    input is instead (text, one flat id list, a 1-D or 3-D array, float or bool ids)."""
     if isinstance(prompts, (np.ndarray, jax.Array)):
-        prompts = [list(map(int, p)) for p in np.asarray(prompts).reshape(len(prompts), -1)]
+        arr = np.asarray(prompts)
+        if arr.ndim != 2:
+            raise ValueError(f"{_PROMPTS_ARE} (or a 2-D [batch, length] array); got a {arr.ndim}-D array"
+                             + (": wrap one prompt as [ids]" if arr.ndim == 1 else ""))
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise TypeError(f"{_PROMPTS_ARE}; got an array of {arr.dtype}")
+        return [list(map(int, p)) for p in arr]
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"{_PROMPTS_ARE}; got {type(prompts).__name__}"
+                        + (": encode the text first (tok.encode / tok.encode_prompt)"
+                           if isinstance(prompts, (str, bytes)) else ""))
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, (str, bytes)):
+            raise TypeError(f"{_PROMPTS_ARE}; prompt {i} is text ({p[:30]!r}): encode it first "
+                            f"(tok.encode / tok.encode_prompt)")
+        if _is_token(p):
+            raise TypeError(f"{_PROMPTS_ARE}; got a flat list of ids: wrap one prompt as [ids]")
+        if isinstance(p, (np.ndarray, jax.Array)):
+            p = np.asarray(p)
+            if p.ndim != 1:
+                raise ValueError(f"{_PROMPTS_ARE}; prompt {i} is a {p.ndim}-D array")
+            p = p.tolist() if np.issubdtype(p.dtype, np.integer) else list(p)
+        if not isinstance(p, (list, tuple)):
+            raise TypeError(f"{_PROMPTS_ARE}; prompt {i} is a {type(p).__name__}")
+        bad = next((t for t in p if not _is_token(t)), _NONE)
+        if bad is not _NONE:
+            raise TypeError(f"{_PROMPTS_ARE}; prompt {i} holds {bad!r} ({type(bad).__name__}), not an integer "
+                            f"token id")
+        out.append([int(t) for t in p])
+    return out
+
+
+def _validate_prompts(prompts, cfg: ModelConfig, gen: ResolvedGeneration):
+    prompts = _as_id_lists(prompts)
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("prompts must be a non-empty list of non-empty token-id lists")
     for i, p in enumerate(prompts):
         if len(p) > gen.max_prompt_len:
             raise PromptTooLongError(
                 f"prompt {i} has {len(p)} tokens, more than max_prompt_len={gen.max_prompt_len}")
-        bad = [t for t in p if not 0 <= int(t) < cfg.vocab_size]
+        bad = [t for t in p if not 0 <= t < cfg.vocab_size]
         if bad:
             raise ValueError(f"prompt {i} has token ids outside [0, {cfg.vocab_size}): {bad[:5]}")
     total = max(len(p) for p in prompts) + gen.max_new_tokens + gen.block_size
@@ -138,12 +186,7 @@ def generate(model, prompts: Sequence[Sequence[int]], config: GenerationConfig =
     if note:
         warnings.warn(note, BudgetWarning, stacklevel=2)
     dtype = jnp.dtype(cache_dtype or model.params["embed"].dtype)
-    b = len(prompts)
-    pb = prompt_bucket(max(len(p) for p in prompts), max(bucket, gen.block_size))
-    arr = np.full((b, pb), cfg.mask_token_id, np.int32)
-    for i, p in enumerate(prompts):
-        arr[i, :len(p)] = p
-    plen = np.array([len(p) for p in prompts], np.int32)
+    arr, plen = _prompt_arrays(prompts, cfg, gen, bucket)
     _relieve_map_pressure()
     fn = _core_fn(cfg, jit)
     key = jax.random.PRNGKey(config.seed)
@@ -171,6 +214,33 @@ def generate(model, prompts: Sequence[Sequence[int]], config: GenerationConfig =
     if first is not None:
         _add_draft_stats(out, first)
     return out
+
+
+def _prompt_arrays(prompts, cfg: ModelConfig, gen: ResolvedGeneration, bucket: int):
+    """([B, Pb] int32 prompts padded with the mask id to the length bucket, [B] int32 lengths)."""
+    pb = prompt_bucket(max(len(p) for p in prompts), max(bucket, gen.block_size))
+    arr = np.full((len(prompts), pb), cfg.mask_token_id, np.int32)
+    for i, p in enumerate(prompts):
+        arr[i, :len(p)] = p
+    return arr, np.array([len(p) for p in prompts], np.int32)
+
+
+def lower(model, prompts: Sequence[Sequence[int]], config: GenerationConfig = GenerationConfig(),
+          policy=None, *, cache_dtype=None, bucket: int = 64, phase: str = "all"):
+    """The jitted generate core for these prompts, lowered but not run: (jax Lowered, args).
+    `lowered.compile()` gives the program (`memory_analysis()`: XLA's temporary and argument
+    bytes), `compiled(*args)` runs it; phase="prefill" is the program that only builds the
+    cache (time to first token). For benchmarks and ahead-of-time checks; no drafting pass."""
+    cfg: ModelConfig = model.config
+    gen = config.resolve(cfg)
+    policy = policy if policy is not None else Dense()
+    policy.validate(cfg, gen)
+    prompts = _validate_prompts(prompts, cfg, gen)
+    arr, plen = _prompt_arrays(prompts, cfg, gen, bucket)
+    dtype = jnp.dtype(cache_dtype or model.params["embed"].dtype)
+    args = (model.params, jnp.asarray(arr), jnp.asarray(plen), jax.random.PRNGKey(config.seed))
+    fn = _core_fn(cfg, True)
+    return fn.lower(*args, cfg=cfg, gen=gen, policy=policy, cache_dtype=dtype, phase=phase), args
 
 
 def _draft(model, prompts, config: GenerationConfig, first, cfg: ModelConfig, run_note, **kw):

@@ -1,0 +1,194 @@
+"""Long prompts on this CPU: memory and time of the engine at 2k-32k tokens, side by side.
+
+Each case (model, policy, prompt length) runs in its own process, so that the peak resident
+memory (`ru_maxrss`) is that case's alone; the parent collects one JSON line per case, fits the
+growth exponent of each column between lengths (log-log slope), and writes everything as one
+JSON (--out) plus a markdown table on stdout.
+
+Per case (random prompt tokens, fixed output of --out-len tokens, stop at EOS off):
+  rss_gb           peak resident memory of the process (model, compile and run included)
+  rss_base_gb      resident memory after loading the model, before compiling
+  xla_temp_gb      XLA's temporary buffers of the whole generate program (memory_analysis)
+  prefill_s        the prefill program alone (builds the cache: time to the first block)
+  e2e_s            the whole program (prefill + decoding --out-len tokens), compiled beforehand
+  decode_s         e2e_s - prefill_s; decode_s_per_block over the blocks decoded
+  kv_peak_mb, kv_end_mb   the engine's KV accounting (stats of generate)
+  forwards         forwards of the whole run
+
+Tables (--table):
+  memory     the block-causal testbed (dense, maskahead, q-maskahead) and the bidirectional twin
+             (dense, maskkv-online, maskkv = layer by layer) at --lengths
+  throughput the twin with LLaDA's fixed schedule (commit_rule llada, 2 tokens per step) with no
+             cache (prompt_refresh=1: every step recomputes the whole sequence), the prompt cache,
+             and MaskKV at 256 pairs per head: decoded tokens per second and the ratios
+
+  python experiments/bench_long_context.py --table memory --lengths 2048,4096,8192,16384,32768 \
+      --out docs/long_context/memory.json
+  python experiments/bench_long_context.py --table throughput --lengths 1024,4096,8192,16384,32768 \
+      --out docs/long_context/throughput.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODELS = {"testbed": os.path.join(ROOT, "maskahead_jax", "testbed"),
+          "twin": os.path.join(ROOT, "maskahead_jax", "testbed_bidir")}
+TABLES = {
+    "memory": [("testbed", "dense", {}), ("testbed", "maskahead", {}), ("testbed", "q-maskahead", {}),
+               ("twin", "dense", {}), ("twin", "maskkv-online", {}), ("twin", "maskkv", {})],
+    # LLaDA's own schedule, no cache: every step a full forward of [prompt | response]
+    "throughput": [("twin", "dense", {"prompt_refresh": 1}), ("twin", "dense", {}),
+                   ("twin", "maskkv", {})],
+}
+
+
+def _rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB on Linux
+
+
+def run_case(model_name: str, policy: str, n: int, out_len: int, gen_kw: dict, pct: float,
+             schedule: str) -> dict:
+    """One case in this process (see the module docstring for the fields)."""
+    import jax
+    import numpy as np
+
+    import maskahead_jax as mj
+    from maskahead_jax.engine.generate import lower
+    from maskahead_jax.policies import make
+
+    model = mj.load_pretrained(MODELS[model_name], max_position_embeddings=n + out_len + 512)
+    cfg = model.config
+    rng = np.random.RandomState(0)
+    prompt = [1] + rng.randint(5, cfg.vocab_size - 10, size=n - 1).tolist()
+    kw = dict(max_new_tokens=out_len, stop_at_eos=False, max_prompt_len=n + 64, **gen_kw)
+    if schedule == "llada":  # a fixed number of tokens per step (LLaDA's schedule): 2 per step
+        kw.update(commit_rule="llada", steps_per_block=cfg.block_size // 2)
+    gen = mj.GenerationConfig(**kw)
+    if policy == "dense":
+        pol = None
+    elif policy.startswith("maskkv"):
+        pol = make(policy, None, budget_per_head=256, budget_pct=None)
+    else:
+        pol = make(policy, pct)
+    base = _rss_gb()
+    t0 = time.perf_counter()
+    lowered, args = lower(model, [prompt], gen, pol)
+    full = lowered.compile()
+    compile_s = time.perf_counter() - t0
+    mem = full.memory_analysis()
+    pre = lower(model, [prompt], gen, pol, phase="prefill")[0].compile()
+    t0 = time.perf_counter()
+    jax.block_until_ready(pre(*args))
+    prefill_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    res = jax.block_until_ready(full(*args))
+    e2e_s = time.perf_counter() - t0
+    res = jax.tree_util.tree_map(np.asarray, res)
+    blocks = max(1, math.ceil(out_len / cfg.block_size))
+    decode_s = e2e_s - prefill_s
+    return dict(model=model_name, policy=policy, gen=gen_kw, schedule=schedule, prompt_len=n, out_len=out_len,
+                rss_gb=_rss_gb(), rss_base_gb=base,
+                xla_temp_gb=getattr(mem, "temp_size_in_bytes", 0) / 2 ** 30,
+                xla_args_gb=getattr(mem, "argument_size_in_bytes", 0) / 2 ** 30,
+                compile_s=compile_s, prefill_s=prefill_s, e2e_s=e2e_s,
+                decode_s=decode_s if decode_s > 0 else None,
+                decode_s_per_block=decode_s / blocks if decode_s > 0 else None,
+                decode_tok_s=out_len / decode_s if decode_s > 0 else None,
+                kv_peak_mb=float(np.max(res["kv_peak"])) / 2 ** 20,
+                kv_end_mb=float(np.max(res["kv_bytes"])) / 2 ** 20,
+                forwards=int(res["nfe_batch"]), jax=jax.__version__, cpus=os.cpu_count())
+
+
+def slope(rows: list, key: str, lo: int, hi: int):
+    """Growth exponent of `key` between prompt lengths lo and hi (log-log), or None."""
+    a = {r["prompt_len"]: r.get(key) for r in rows}
+    if not a.get(lo) or not a.get(hi):
+        return None
+    return math.log(a[hi] / a[lo]) / math.log(hi / lo)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--table", choices=sorted(TABLES), default="memory")
+    ap.add_argument("--lengths", default="2048,4096,8192,16384,32768")
+    ap.add_argument("--out-len", type=int, default=64)
+    ap.add_argument("--pct", type=float, default=10.0, help="budget of the block-causal evicting policies")
+    ap.add_argument("--only", default="", help="comma list of model:policy to run (default: the whole table)")
+    ap.add_argument("--out", default=None, help="JSON file; cases already in it are kept (resume)")
+    ap.add_argument("--case", default=None, help=argparse.SUPPRESS)  # one case, JSON: the child process
+    ap.add_argument("--timeout", type=int, default=3600, help="seconds per case")
+    a = ap.parse_args(argv)
+    if a.case:
+        c = json.loads(a.case)
+        print("CASE " + json.dumps(run_case(**c)), flush=True)
+        return 0
+    lengths = [int(x) for x in a.lengths.split(",")]
+    schedule = "llada" if a.table == "throughput" else "model"
+    done = []
+    if a.out and os.path.exists(a.out):
+        done = json.load(open(a.out)).get("cases", [])
+    key = lambda r: (r["model"], r["policy"], json.dumps(r["gen"], sort_keys=True), r["prompt_len"])
+    have = {key(r) for r in done}
+    only = set(filter(None, a.only.split(",")))
+    for model_name, policy, gen_kw in TABLES[a.table]:
+        if only and f"{model_name}:{policy}" not in only:
+            continue
+        for n in lengths:
+            c = dict(model_name=model_name, policy=policy, n=n, out_len=a.out_len, gen_kw=gen_kw, pct=a.pct,
+                     schedule=schedule)
+            if (model_name, policy, json.dumps(gen_kw, sort_keys=True), n) in have:
+                continue
+            t0 = time.time()
+            try:
+                p = subprocess.run([sys.executable, os.path.abspath(__file__), "--case", json.dumps(c)],
+                                   capture_output=True, text=True, timeout=a.timeout)
+                lines = [ln for ln in p.stdout.splitlines() if ln.startswith("CASE ")]
+                row = json.loads(lines[-1][5:]) if lines else dict(
+                    model=model_name, policy=policy, gen=gen_kw, prompt_len=n,
+                    error=(p.stderr.strip().splitlines() or ["no output"])[-1])
+            except subprocess.TimeoutExpired:
+                row = dict(model=model_name, policy=policy, gen=gen_kw, prompt_len=n,
+                           error=f"over {a.timeout} s")
+            row["wall_s"] = time.time() - t0
+            print(json.dumps(row), file=sys.stderr, flush=True)
+            done.append(row)
+            if a.out:  # appended as it goes: an interrupted table resumes
+                os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+                json.dump(dict(table=a.table, cases=done), open(a.out, "w"), indent=1)
+    fits = []
+    for model_name, policy, gen_kw in TABLES[a.table]:
+        rows = sorted((r for r in done if r["model"] == model_name and r["policy"] == policy
+                       and r["gen"] == gen_kw and "error" not in r), key=lambda r: r["prompt_len"])
+        if len(rows) >= 2:
+            lo, hi = rows[0]["prompt_len"], rows[-1]["prompt_len"]
+            mid = 8192 if any(r["prompt_len"] == 8192 for r in rows) and hi > 8192 else lo
+            fits.append(dict(model=model_name, policy=policy, gen=gen_kw, lo=mid, hi=hi, **{
+                f"exp_{k}": slope(rows, k, mid, hi) for k in
+                ("rss_gb", "xla_temp_gb", "prefill_s", "e2e_s", "decode_s_per_block", "kv_peak_mb")}))
+    if a.out:
+        json.dump(dict(table=a.table, cases=done, fits=fits), open(a.out, "w"), indent=1)
+    cols = ("prompt_len", "rss_gb", "xla_temp_gb", "prefill_s", "e2e_s", "decode_s_per_block",
+            "decode_tok_s", "kv_peak_mb", "kv_end_mb", "forwards")
+    print("| model | policy | " + " | ".join(cols) + " |")
+    print("|" + "---|" * (len(cols) + 2))
+    for r in done:
+        if "error" in r:
+            print(f"| {r['model']} | {r['policy']} {r['gen'] or ''} | {r['prompt_len']} | error: {r['error']} |")
+            continue
+        f = lambda v: "-" if v is None else (f"{v:.3g}" if isinstance(v, float) else str(v))
+        print(f"| {r['model']} | {r['policy']} {r['gen'] or ''} | " + " | ".join(f(r.get(c)) for c in cols) + " |")
+    for x in fits:
+        print(json.dumps(x))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
