@@ -166,3 +166,19 @@ def test_no_t_by_t_array_in_a_long_generate(family, policy):
                                                  cache_dtype=jnp.float32))(
         m.params, arr, jnp.asarray([t - 3], jnp.int32), jax.random.PRNGKey(0))
     assert _big_shapes(jaxpr.jaxpr, t) == []
+
+
+@pytest.mark.parametrize("family", ["sdar", "llada"])
+def test_nonfinite_logits_stop_the_run(family):
+    """One NaN weight: generate raises a clear error instead of returning mask ids as answers."""
+    from maskahead_jax.api import Model
+    from maskahead_jax.engine.stats import NonFiniteLogitsError
+
+    m = tiny_model(family)
+    params = jax.tree_util.tree_map(lambda a: a, m.params)
+    params["layers"]["wv"] = params["layers"]["wv"].at[0, 0, 0, 0].set(jnp.nan)
+    bad = Model(m.config, params)
+    gen = GenerationConfig(max_new_tokens=8, block_size=8)
+    assert generate(m, [list(range(1, 12))], gen).tokens  # the healthy model runs
+    with pytest.raises(NonFiniteLogitsError, match="NaN / inf logits"):
+        generate(bad, [list(range(1, 12))], gen)

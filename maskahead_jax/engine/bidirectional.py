@@ -133,7 +133,8 @@ def bidirectional_core(params, prompt, plen, key, draft=None, *, cfg, gen, polic
     return dict(out=s.resp, first_pos=plen, nfe=jnp.broadcast_to(s.nfe, (b,)), nfe_batch=s.nfe,
                 kv_bytes=kvb, dense_bytes=dense, kv_peak=jnp.maximum(kvb, peak_bytes),
                 dense_peak=dense, live=s.cache.live().max(axis=(0, 2)), seen=s.cache.seen,
-                capacity=jnp.int32(s.cache.capacity), evictions=jnp.int32(0), blocks=s.blk)
+                capacity=jnp.int32(s.cache.capacity), evictions=jnp.int32(0), blocks=s.blk,
+                nonfinite=~(jnp.all(jnp.isfinite(s.logits), axis=(1, 2)) & jnp.all(jnp.isfinite(s.last), axis=-1)))
 
 
 def layer_vote(p, cfg, x_in, cos, sin, k, v, key_valid, rows, rows_ok):

@@ -66,4 +66,6 @@ def block_causal_core(params, prompt, plen, key, draft=None, *, cfg, gen, policy
     return dict(out=st.out, first_pos=n_pre, nfe=st.nfe, nfe_batch=st.nfe_batch,
                 kv_bytes=policy.held_bytes(c), dense_bytes=dense_bytes(cfg, c), kv_peak=st.peak,
                 dense_peak=st.peak_dense, live=c.live().max(axis=(0, 2)),
-                seen=c.seen, capacity=jnp.int32(c.capacity), evictions=st.evictions, blocks=st.blk)
+                seen=c.seen, capacity=jnp.int32(c.capacity), evictions=st.evictions, blocks=st.blk,
+                # NaN / inf reach every later forward through the cache: the last logits tell
+                nonfinite=~jnp.all(jnp.isfinite(st.prev), axis=-1))

@@ -15,12 +15,22 @@ class GenerateOutput:
     stats: dict[str, Any]
 
 
+class NonFiniteLogitsError(ValueError):
+    """A run's logits were NaN or infinite (a broken checkpoint, an impossible config): generate
+    stops instead of returning mask ids as answers (docs/evaluation.md)."""
+
+
 def finish(res, prompts, cfg, gen, wall, policy) -> GenerateOutput:
     """Cut each row's generated tokens (after its prompt tail, at EOS) and build the stats:
     forwards (per row and batch), KV bytes held vs a bf16 cache of every seen token (final and
     peak), their ratio, live entries and their share of the tokens seen (kept_pct: the budget in
     effect, floors included), the cache's capacity, evictions and blocks run, and the policy's
     note when a floor overrode the requested budget."""
+    bad = np.flatnonzero(np.asarray(res.get("nonfinite", False)))
+    if bad.size:
+        raise NonFiniteLogitsError(
+            f"the model produced NaN / inf logits (rows {bad.tolist()} of {len(prompts)}): its answers would be "
+            f"meaningless; check the checkpoint's weights and its RoPE / norm settings")
     eos = set(cfg.eos_token_ids)
     toks = []
     n_gen = 0
