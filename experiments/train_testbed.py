@@ -30,6 +30,22 @@ passkey/multikey accuracy reaches --gate, or 15% of the budget later). Held-out 
 (passkey / multikey / twohop, the library's generate with the config's threshold) is logged every
 --eval-minutes.
 
+Long positions from short windows (issue 53; PoSE arXiv 2309.10400, CREAM arXiv 2406.07138):
+--pose-target T (a multiple of 32, <= --max-positions; 0 = off, the default, and every batch is
+then exactly the batch without the flag) gives a --pose-prob share of the rows of length >=
+--pose-min-len skip-wise position ids up to T: the window is cut into --pose-chunks chunks at
+block boundaries (one cut a block before the first answer, so the question's chunk lies a gap
+away from the context's needle), each chunk keeps contiguous ids, and the gaps are whole blocks
+whose total makes the window's extent log-uniform in [L, T] (data.pose_positions). Both copies
+of the two-copy objective read the same ids; the attention mask still follows the token blocks,
+which the chunk edges keep equal to the position blocks. The other rows keep arange(L) (the
+original positions: short-context skills). For generation at T tokens pass --max-positions
+>= T + 512 (the export's max_position_embeddings); --rope-theta changes the RoPE base (a
+higher base costs the shipped weights' short-context loss at once: docs/testbed_history.md,
+"Long-context stage"). --eval-lengths 512,4096,8192 makes the periodic held-out probe score each
+of those lengths (--eval-tasks, --eval-n at <= 2048 and --eval-long-n above; on the CPU a probe
+at 8192 takes minutes, so set --eval-minutes accordingly).
+
 Everything is resumable: orbax checkpoints every --ckpt-minutes in --run-dir; re-running the same
 command continues (the time budget counts training time over all runs together; time the process
 spends stopped, e.g. by SIGSTOP, does not count, see ActiveClock). Across machines: --save-state DIR
@@ -62,7 +78,7 @@ from experiments.testbed.data import (BLOCK, MQAR_TEMPLATES, PACKED_TASKS, PACKE
                                       PROMPT_FRAC, TASK_WEIGHTS, copy_sequence, data_options,
                                       longest_run, make_batch, mqar_sequence, parse_pairs,
                                       parse_probability, parse_prompt_frac, parse_templates,
-                                      train_sequence)
+                                      pose_options, pose_positions, train_sequence)
 from experiments.testbed.export import export_hf, hf_config  # noqa: F401
 from experiments.testbed.heldout import heldout_eval
 from experiments.testbed.objective import (make_optimizer, make_train_step, two_copy_logits,  # noqa: F401
@@ -184,6 +200,24 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--state-max-mb", type=float, default=15.0,
                     help="--save-state: largest file in MiB (a lent machine returns files of up to 16 MiB); "
                          "float32 params over it are kept in bfloat16, an optimizer state over it is left out")
+    ap.add_argument("--pose-target", type=int, default=0,
+                    help="skip-wise position ids up to this length (PoSE / CREAM; a multiple of 32, "
+                         "<= --max-positions; 0: off, every row at arange(L)); see data.pose_positions")
+    ap.add_argument("--pose-prob", type=float, default=1.0,
+                    help="--pose-target: the share of eligible rows given skip-wise ids (the rest keep "
+                         "the original positions)")
+    ap.add_argument("--pose-chunks", type=int, default=3,
+                    help="--pose-target: chunks per window (>= 2; PoSE 2, CREAM 3)")
+    ap.add_argument("--pose-min-len", type=int, default=0,
+                    help="--pose-target: rows of shorter stages keep the original positions (e.g. 2048 "
+                         "with --stages '0:512|2048:8|2': the 512 steps at arange, the 2048 steps skip-wise)")
+    ap.add_argument("--eval-lengths", default=None,
+                    help="lengths of the periodic held-out probe (e.g. 512,4096,8192; default: the "
+                         "stage's length capped at 512)")
+    ap.add_argument("--eval-tasks", default="passkey,multikey,twohop",
+                    help="tasks of the periodic held-out probe (passkey, multikey, twohop)")
+    ap.add_argument("--eval-long-n", type=int, default=4,
+                    help="--eval-lengths: held-out examples per task at lengths above 2048")
     ap.add_argument("--log-every", type=int, default=25,
                     help="append the running loss to --run-dir/metrics.jsonl every this many steps")
     return ap
@@ -193,6 +227,8 @@ def check_data_flags(args) -> None:
     """Parse every data flag once at startup, so that a malformed value fails before the model is
     built (make_batch parses them again for each batch, also in --workers' processes)."""
     data_options(args)
+    pose_options(args)
+    eval_plan(args)
     parse_stages(args.smoke_stage if args.smoke else args.stages)
     if getattr(args, "answer_mask_max_len", 0) < 0:
         raise SystemExit(f"bad --answer-mask-max-len {args.answer_mask_max_len}: need a token count >= 0 "
@@ -205,6 +241,29 @@ def check_data_flags(args) -> None:
         raise SystemExit("--grow-heads widens the model loaded by --init-from; pass --init-from too")
 
 
+def eval_plan(args):
+    """[(length, n)] of the periodic held-out probe from --eval-lengths / --eval-n /
+    --eval-long-n, or None (the stage's length capped at 512, --eval-n examples), and the
+    --eval-tasks tuple; bad values exit naming the flag."""
+    tasks = tuple(t.strip() for t in (getattr(args, "eval_tasks", None) or "passkey,multikey,twohop").split(","))
+    from experiments.testbed.heldout import HELDOUT_TASKS
+    if not tasks or any(t not in HELDOUT_TASKS for t in tasks):
+        raise SystemExit(f"bad --eval-tasks {args.eval_tasks!r}: choose from {HELDOUT_TASKS}")
+    text = getattr(args, "eval_lengths", None)
+    if not text:
+        return None, tasks
+    try:
+        lengths = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        lengths = []
+    maxpos = getattr(args, "max_positions", None) or MAX_POSITIONS
+    if not lengths or any(n < 64 or n + 64 > maxpos for n in lengths):
+        raise SystemExit(f"bad --eval-lengths {text!r}: need lengths >= 64 whose prompt + answer fit "
+                         f"--max-positions {maxpos}")
+    long_n = getattr(args, "eval_long_n", 4)
+    return [(n, args.eval_n if n <= 2048 else long_n) for n in lengths], tasks
+
+
 def last_heldout(log_path) -> float:
     """The mean passkey / multikey held-out accuracy last logged in metrics.jsonl (0 if none):
     a resumed run's curriculum gate starts from it."""
@@ -213,7 +272,7 @@ def last_heldout(log_path) -> float:
         for line in open(log_path):
             rec = json.loads(line)
             if "eval" in rec:
-                heldout = float(np.mean([rec["eval"]["passkey"], rec["eval"]["multikey"]]))
+                heldout = float(np.mean([rec["eval"].get(t, 0.0) for t in ("passkey", "multikey")]))
     return heldout
 
 
@@ -326,6 +385,7 @@ def main(argv=None):
     prefetch = BatchPrefetcher(args, args.workers) if args.workers else None
     ema = None
     stage, heldout = 0, last_heldout(log_path)  # resume: the gate sees the last held-out accuracy
+    plan, eval_tasks = eval_plan(args)
 
     def save_portable():
         if not args.save_state or args.smoke:
@@ -360,10 +420,11 @@ def main(argv=None):
         lr = learning_rate(step - warm_from, frac, args.lr, args.warmup, args.constant_lr)
         opt_state.hyperparams["learning_rate"] = jnp.asarray(lr, jnp.float32)
         if prefetch:
-            xt, x0, masked, w = prefetch.get(step, functools.partial(batch_shape, stages[stage]))
+            batch = prefetch.get(step, functools.partial(batch_shape, stages[stage]))
         else:
-            xt, x0, masked, w = make_batch(step, args.seed, B, L, tok, args, dense)
-        params, opt_state, loss, acc = steps_fns[L](params, opt_state, xt, x0, masked, w)
+            batch = make_batch(step, args.seed, B, L, tok, args, dense)
+        # (xt, x0, masked, w), plus the position ids with --pose-target
+        params, opt_state, loss, acc = steps_fns[L](params, opt_state, *batch)
         loss = float(loss)
         ema = loss if ema is None else 0.98 * ema + 0.02 * loss
         step += 1
@@ -376,12 +437,14 @@ def main(argv=None):
         if step % args.log_every == 0:
             log({"step": step, "elapsed": elapsed, "L": L, "loss": ema, "acc": float(acc), "lr": lr})
         if elapsed - last_eval >= 60 * args.eval_minutes or (args.smoke and elapsed >= budget):
-            te = time.time()
-            res = heldout_eval(params, cfg, tok, min(L, 512) if not args.smoke else 128, n=args.eval_n)
-            print(f"\n[eval] step {step} L={L} elapsed {elapsed / 60:.1f}m loss {ema:.3f} heldout {res} "
-                  f"({time.time() - te:.0f}s)", flush=True)
-            log({"step": step, "elapsed": elapsed, "eval": res, "eval_L": min(L, 512)})
-            heldout = float(np.mean([res["passkey"], res["multikey"]]))
+            for k, (eL, en) in enumerate(plan or [(min(L, 512) if not args.smoke else 128, args.eval_n)]):
+                te = time.time()
+                res = heldout_eval(params, cfg, tok, eL, n=en, tasks=eval_tasks, batch=min(16, en))
+                print(f"\n[eval] step {step} L={L} elapsed {elapsed / 60:.1f}m loss {ema:.3f} heldout@{eL} "
+                      f"{res} ({time.time() - te:.0f}s)", flush=True)
+                log({"step": step, "elapsed": elapsed, "eval": res, "eval_L": eL, "n": en})
+                if k == 0:  # the gate reads the first length's pass key / multi-key
+                    heldout = float(np.mean([res.get(t, 0.0) for t in ("passkey", "multikey")]))
             last_eval = elapsed
             t_last = clock()  # eval time does not count against the training budget
         if mngr and elapsed - last_ckpt >= 60 * args.ckpt_minutes:

@@ -16,7 +16,7 @@ from experiments import train_testbed as tt
 from experiments.testbed import clock, config, data, export, objective, prefetch, surgery
 from maskahead_jax import load_pretrained
 from maskahead_jax import tasks as T
-from maskahead_jax.model.decoder import forward_logits
+from maskahead_jax.model.decoder import forward_hidden, forward_logits
 from maskahead_jax.model.init import init_params
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -673,3 +673,104 @@ def test_resume_state_continues_on_a_fresh_run_dir(tmp_path):
     third = _tiny_run(tmp_path, "c", "--resume-state", str(tmp_path / "no_moments"))
     new = [r for r in third if "loss" in r][len(first):]
     assert new[0]["step"] == s1 + 1 and new[0]["lr"] == pytest.approx(1e-6)  # warm-up again
+
+
+def test_pose_positions_are_sorted_unique_block_aligned_and_within_target(tok):
+    """--pose-target: skip-wise ids (issue 53) are strictly increasing, below the target, each
+    32-token block 32 consecutive ids from a multiple of 32; one gap falls a block or more before
+    the first answer (the question's chunk lies away from the context); over many draws the
+    windows reach both far (> 4x the window) and near extents."""
+    L, target, bs = 256, 4096, data.BLOCK
+    rng = np.random.default_rng(0)
+    extents, gap_before_answer = [], 0
+    for i in range(60):
+        x, w = data.train_sequence(random.Random(i), L, tok, 3.0, 0.0, 0.0)
+        pos = data.pose_positions(rng, L, target, w, 3.0, chunks=2 + i % 3)
+        assert pos.shape == (L,) and pos.dtype == np.int32
+        assert pos[0] == 0 and (np.diff(pos) > 0).all() and pos[-1] < target
+        blocks = pos.reshape(L // bs, bs)
+        assert (blocks[:, 0] % bs == 0).all() and (np.diff(blocks, axis=1) == 1).all()
+        jumps = np.nonzero(np.diff(pos) > 1)[0] + 1  # token indices where a chunk starts after a gap
+        assert (jumps % bs == 0).all() and len(jumps) <= 1 + i % 3
+        a = np.nonzero(w == 3.0)[0][0]
+        gap_before_answer += any(a - 2 * bs < j <= a - bs for j in jumps)
+        extents.append(pos[-1] + 1)
+    assert gap_before_answer >= 40  # no gap only when the skip drawn there was 0 blocks
+    assert max(extents) > 4 * L and min(extents) < 2 * L
+    np.testing.assert_array_equal(data.pose_positions(rng, L, L, w), np.arange(L))  # nothing to skip
+
+
+def test_pose_flag_off_keeps_the_batch_and_on_adds_positions(tok):
+    """Without --pose-target the batch is the 4 arrays it always was; with it, the same 4 arrays
+    plus position ids: skip-wise for a --pose-prob share of the rows of length >= --pose-min-len,
+    arange for the rest."""
+    base = data.make_batch(3, 0, 6, 128, tok, _args(seed=0), dense=0.3)
+    assert len(base) == 4
+    for off in (_args(seed=0, pose_target=0), _args(seed=0, pose_target=0, pose_prob=1.0, pose_chunks=3)):
+        for a, b in zip(base, data.make_batch(3, 0, 6, 128, tok, off, dense=0.3)):
+            np.testing.assert_array_equal(a, b)
+    on = data.make_batch(3, 0, 6, 128, tok, _args(seed=0, pose_target=2048, pose_prob=0.5), dense=0.3)
+    assert len(on) == 5
+    for a, b in zip(base, on[:4]):
+        np.testing.assert_array_equal(a, b)
+    pos = on[4]
+    assert pos.shape == (6, 128) and (np.diff(pos, axis=1) > 0).all() and (pos < 2048).all()
+    skipped = (pos[:, -1] > 127)
+    assert 0 < skipped.sum() < 6 and (pos[~skipped] == np.arange(128)).all()
+    short = data.make_batch(3, 0, 6, 128, tok, _args(seed=0, pose_target=2048, pose_min_len=256), dense=0.3)
+    assert (short[4] == np.arange(128)).all()  # a 128-token stage under --pose-min-len 256
+    for bad in (dict(pose_target=100), dict(pose_target=2048, pose_chunks=1),
+                dict(pose_target=2048, pose_prob=1.5), dict(pose_target=16384, max_positions=8192)):
+        with pytest.raises(SystemExit, match="--pose"):
+            data.pose_options(_args(**bad))
+
+
+def test_two_copy_logits_at_skipwise_positions_match_the_dense_mask(tok):
+    """Both copies read the same skip-wise ids: the chunked forward equals the dense two-copy mask
+    (over token blocks) with positions concat(pos, pos), and pos = arange is the forward without
+    positions."""
+    a = _args(logits_shift=True)
+    cfg = config.make_config(a, tok.get_vocab_size())
+    params = init_params(cfg, jax.random.PRNGKey(2))
+    xt, x0, _, _, pos = data.make_batch(1, 0, 2, 96, tok, _args(seed=0, pose_target=4096), dense=0.0)
+    assert (pos[:, -1] > 95).any()
+    got = np.asarray(objective.two_copy_hidden_at(params, cfg, xt, x0, pos, chunk=64))
+    mask = np.broadcast_to(objective.two_copy_mask(96), (2, 192, 192))
+    ref = np.asarray(forward_hidden(params, cfg, np.concatenate([xt, x0], 1), np.concatenate([pos, pos], 1),
+                                    mask=mask))
+    np.testing.assert_allclose(got, ref, rtol=2e-4, atol=2e-4)
+    ar = np.tile(np.arange(96, dtype=np.int32), (2, 1))
+    np.testing.assert_allclose(np.asarray(objective.two_copy_logits(params, cfg, xt, x0, pos=ar)),
+                               np.asarray(objective.two_copy_logits(params, cfg, xt, x0)), rtol=2e-5, atol=2e-5)
+    step = objective.make_train_step(cfg, objective.make_optimizer(1e-3))
+    _, _, loss, _ = step(params, objective.make_optimizer(1e-3).init(params), xt, x0, xt == T.MASK_ID,
+                         np.ones_like(xt, np.float32), pos)
+    assert np.isfinite(float(loss))
+
+
+def test_eval_plan_flags():
+    """--eval-lengths: one probe per length, --eval-n examples up to 2048 and --eval-long-n above;
+    lengths past --max-positions and unknown tasks are refused by name."""
+    a = tt.build_parser().parse_args(["--eval-lengths", "512,8192", "--eval-n", "16", "--eval-long-n", "3",
+                                      "--eval-tasks", "passkey,multikey", "--max-positions", "33280"])
+    assert tt.eval_plan(a) == ([(512, 16), (8192, 3)], ("passkey", "multikey"))
+    assert tt.eval_plan(tt.build_parser().parse_args([]))[0] is None
+    for flag, value in (("--eval-lengths", "512,8192"), ("--eval-tasks", "docqa")):
+        with pytest.raises(SystemExit, match=flag):
+            tt.eval_plan(tt.build_parser().parse_args([flag, value]))
+
+
+def test_long_cpu_script_command_parses():
+    """experiments/testbed/train_long_cpu.sh (stage 32) runs train_testbed.py with flags that parse
+    and pass the startup checks: skip-wise positions to 32768, an export that takes 32768-token
+    prompts, the held-out probe at 4096 and 8192."""
+    import re
+    import shlex
+
+    text = open(os.path.join(ROOT, "experiments", "testbed", "train_long_cpu.sh")).read()
+    cmd = re.sub(r"\\\n\s*", " ", text).split("experiments/train_testbed.py", 1)[1].split('"$@"')[0]
+    args = tt.build_parser().parse_args(shlex.split(cmd.replace("$D", "/tmp/tb-long")))
+    tt.check_data_flags(args)
+    assert args.pose_target == 32768 and args.max_positions >= 32768 + 512
+    assert tt.eval_plan(args)[0] == [(512, 8), (4096, 4), (8192, 4)]
+    assert args.init_from == "maskahead_jax/testbed" and not args.run_dir.startswith(ROOT)

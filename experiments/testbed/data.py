@@ -265,12 +265,77 @@ def longest_run(flags: np.ndarray) -> np.ndarray:
     return best
 
 
+POSE_CHUNKS = 3  # --pose-chunks' default: CREAM's head / middle / tail
+
+
+def pose_positions(rng: np.random.Generator, L: int, target: int, w=None, answer_weight: float = 3.0,
+                   chunks: int = POSE_CHUNKS, block: int = BLOCK) -> np.ndarray:
+    """Skip-wise position ids (PoSE, arXiv 2309.10400; CREAM, arXiv 2406.07138) [L] int32 for a
+    window of L real tokens: the window is cut into `chunks` chunks at block boundaries, each
+    chunk keeps contiguous ids, and chunk i + 1 starts a gap of whole blocks after chunk i ends,
+    so the ids are sorted, unique, < `target`, and every 32-token block holds 32 consecutive ids
+    starting at a multiple of `block` (generation's block layout at those positions). The first
+    chunk starts at 0 ([BOS] keeps its place, as in PoSE).
+
+    Where the cuts go: one cut is the block boundary at least one block before the first answer
+    token (the first `w == answer_weight`), so the question (<= 32 tokens in every task but the
+    long answer's station list) starts the last chunk's run and the context before it (the needle,
+    unless it sits right before the question) lies a gap away; the other cuts are uniform among
+    the remaining boundaries. How far: the window's whole extent (last id + 1) is drawn
+    log-uniform in [L, target] (so 4k, 8k, 16k and 32k are all trained, the 4k-16k goals
+    about as often as 16k-32k; PoSE draws the skip uniform), and the skipped blocks are split
+    among the gaps uniformly (CREAM's middle chunk anywhere, not only at the ends)."""
+    nb = L // block
+    if target <= L or nb < 2 or chunks < 2:
+        return np.arange(L, dtype=np.int32)
+    cuts = set()
+    if w is not None:
+        ans = np.nonzero(np.asarray(w) == answer_weight)[0]
+        if len(ans) and (ans[0] - block) // block >= 1:
+            cuts.add(int((ans[0] - block) // block))
+    free = [b for b in range(1, nb) if b not in cuts]
+    k = min(chunks - 1 - len(cuts), len(free))
+    if k > 0:
+        cuts.update(int(b) for b in rng.choice(free, size=k, replace=False))
+    cuts = sorted(cuts)
+    extent = int(np.exp(rng.uniform(np.log(L), np.log(target))))
+    skip = max(0, min(extent, target) - L) // block  # blocks skipped in all
+    pts = np.sort(rng.integers(0, skip + 1, size=len(cuts) - 1))
+    gaps = np.diff(np.concatenate([[0], pts, [skip]]))
+    offset = np.zeros(nb, np.int64)
+    for c, g in zip(cuts, gaps):
+        offset[c:] += g
+    starts = (np.arange(nb) + offset) * block
+    return (starts[:, None] + np.arange(block)[None, :]).reshape(L).astype(np.int32)
+
+
+def pose_options(args) -> dict:
+    """The skip-wise position flags (--pose-target, --pose-prob, --pose-chunks, --pose-min-len),
+    checked; target 0 (the default) means every row keeps positions arange(L)."""
+    g = lambda name, d: getattr(args, name, None) if getattr(args, name, None) is not None else d  # noqa: E731
+    target, chunks, min_len = int(g("pose_target", 0)), int(g("pose_chunks", POSE_CHUNKS)), int(g("pose_min_len", 0))
+    prob = parse_probability(g("pose_prob", 1.0), "--pose-prob")
+    if target < 0 or (target and target % BLOCK):
+        raise SystemExit(f"bad --pose-target {target}: need 0 (off) or a multiple of the block ({BLOCK})")
+    if chunks < 2:
+        raise SystemExit(f"bad --pose-chunks {chunks}: need >= 2 (PoSE: one chunk fails)")
+    maxpos = getattr(args, "max_positions", None)
+    if target and maxpos and target > maxpos:
+        raise SystemExit(f"bad --pose-target {target}: past --max-positions {maxpos}")
+    return dict(target=target, prob=prob, chunks=chunks, min_len=max(0, min_len))
+
+
 def make_batch(step: int, seed: int, B: int, L: int, tok, args, dense: float = 0.0):
     """The batch of `step`: (x_t, x0, masked, w), each [B, L] (x_t int32 with [MASK] at `masked`,
     x0 int32 clean, w float32 loss weights). Every 32-token block is noised with its own mask
     ratio t ~ U(0, --mask-ratio-max) (mask prob (1-1e-3) t + 1e-3), or, for a --suffix-prob share
     of rows, everything after a random cut per block; an --answer-mask-prob share of rows masks
-    exactly its answer tokens. `args` carries the data flags (data_options)."""
+    exactly its answer tokens. `args` carries the data flags (data_options).
+
+    With --pose-target T (> 0) a fifth array comes back, the position ids pos [B, L] int32: a
+    --pose-prob share of the rows of length >= --pose-min-len get skip-wise ids up to T
+    (pose_positions), the others arange(L); the first four arrays are those of the batch
+    without the flag (the ids are drawn from their own random stream)."""
     r = random.Random(seed * 1_000_003 + step)
     opts = data_options(args)
     xs, ws = zip(*[train_sequence(r, L, tok, args.answer_weight, dense, args.copy_prob, **opts)
@@ -295,4 +360,13 @@ def make_batch(step: int, seed: int, B: int, L: int, tok, args, dense: float = 0
         answers_only &= (longest_run(w == args.answer_weight) <= max_len)[:, None]
     masked = np.where(answers_only, w == args.answer_weight, masked)
     xt = np.where(masked, T.MASK_ID, x0)
-    return xt.astype(np.int32), x0, masked, w
+    pose = pose_options(args)
+    if not pose["target"]:
+        return xt.astype(np.int32), x0, masked, w
+    # skip-wise positions (own random stream: the tokens and the noise are the batch without them)
+    rp = np.random.default_rng([seed, step, 53])
+    pos = np.tile(np.arange(L, dtype=np.int32), (B, 1))
+    for i in range(B):
+        if L >= pose["min_len"] and rp.uniform() < pose["prob"]:
+            pos[i] = pose_positions(rp, L, pose["target"], w[i], args.answer_weight, pose["chunks"])
+    return xt.astype(np.int32), x0, masked, w, pos

@@ -2,7 +2,8 @@
 §1.3). The model reads [x_t | x0] with positions (arange, arange): x_t block b sees x_t block b
 and x0 blocks < b, x0 is block-causal (`two_copy_mask`, computed without a dense mask by
 `maskahead_jax.model.two_copy_hidden`). Loss: weighted cross entropy on the masked positions of
-x_t (no token shift, or with --logits-shift token p predicted at p - 1)."""
+x_t (no token shift, or with --logits-shift token p predicted at p - 1). With --pose-target the
+positions are the batch's skip-wise ids, the same for both copies (two_copy_hidden_at)."""
 from __future__ import annotations
 
 import jax
@@ -10,8 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from maskahead_jax.model.decoder import lm_head
-from maskahead_jax.model.two_copy import two_copy_hidden, two_copy_mask as _two_copy_mask
+from maskahead_jax.model.decoder import embed, lm_head, output_projection, project_qkv
+from maskahead_jax.model.layers import rms_norm, rope_tables, swiglu
+from maskahead_jax.model.two_copy import two_copy_attention, two_copy_hidden, two_copy_mask as _two_copy_mask
 
 from .data import BLOCK
 
@@ -30,12 +32,35 @@ def make_optimizer(lr: float):
     )(learning_rate=lr)
 
 
-def two_copy_logits(params, cfg, xt, x0, chunk: int = 512):
+def two_copy_hidden_at(params, cfg, xt, x0, pos, chunk: int = 512):
+    """model.two_copy_hidden with position ids pos [B, L] for both copies (RoPE reads
+    concat(pos, pos)): the skip-wise positions of --pose-target. The attention mask is the
+    library's two-copy mask over token *indices* (block b = tokens [32 b, 32 b + 32)), which is
+    the mask over position blocks as long as every block holds 32 consecutive ids from a multiple
+    of 32 (data.pose_positions' chunks are cut on block boundaries)."""
+    bsz, L = xt.shape
+    pos = jnp.asarray(pos, jnp.int32)
+    scaling = getattr(cfg, "rope_scaling", None)  # (a config's RoPE scaling, where the library has one)
+    cos, sin = rope_tables(jnp.concatenate([pos, pos], axis=1), cfg.rope_dim, cfg.rope_theta,
+                           *((scaling,) if scaling else ()))
+    chunk = min(chunk, L)
+
+    def layer(x, p):
+        q, k, v = project_qkv(p, x, cos, sin, cfg)
+        x = x + output_projection(p, two_copy_attention(q, k, v, L, cfg.block_size, chunk), cfg)
+        return x + swiglu(p["mlp"], rms_norm(x, p["mlp_norm"], cfg.rms_eps)), None
+
+    x, _ = jax.lax.scan(layer, embed(params, jnp.concatenate([xt, x0], axis=1)), params["layers"])
+    return rms_norm(x, params["final_norm"], cfg.rms_eps)
+
+
+def two_copy_logits(params, cfg, xt, x0, chunk: int = 512, pos=None):
     """Logits [B, L, V] of the noisy copy x_t [B, L] in the two-copy layout: x_t block b reads
-    itself and the clean x0 [B, L] blocks < b (two_copy_mask), positions concat(arange, arange).
+    itself and the clean x0 [B, L] blocks < b (two_copy_mask), positions concat(arange, arange),
+    or concat(pos, pos) with position ids pos [B, L] (two_copy_hidden_at).
     The forward is model.two_copy_hidden (chunked, no dense 2L x 2L mask; same numbers)."""
     L = xt.shape[1]
-    h = two_copy_hidden(params, cfg, xt, x0, chunk)
+    h = two_copy_hidden(params, cfg, xt, x0, chunk) if pos is None else two_copy_hidden_at(params, cfg, xt, x0, pos, chunk)
     if not cfg.logits_shift:
         return lm_head(params, cfg, h[:, :L])
     # shifted logits (Fast-dLLM v2): token p is predicted at p - 1; a block's first token from the
@@ -45,10 +70,11 @@ def two_copy_logits(params, cfg, xt, x0, chunk: int = 512):
     return lm_head(params, cfg, src)  # position 0 has no predictor: the loss skips it
 
 
-def loss_and_accuracy(params, cfg, xt, x0, masked, w):
+def loss_and_accuracy(params, cfg, xt, x0, masked, w, pos=None):
     """(loss, accuracy): cross entropy on the masked positions of x_t weighted by w (all [B, L]),
-    normalised by the weights' sum; the argmax accuracy over the masked positions."""
-    logits = two_copy_logits(params, cfg, xt, x0)
+    normalised by the weights' sum; the argmax accuracy over the masked positions. pos [B, L]:
+    position ids of both copies (None: arange)."""
+    logits = two_copy_logits(params, cfg, xt, x0, pos=pos)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, x0)
     wm = w * masked
     if cfg.logits_shift:
@@ -59,15 +85,16 @@ def loss_and_accuracy(params, cfg, xt, x0, masked, w):
 
 
 def make_train_step(cfg, opt, L=None):
-    """A jitted step(params, opt_state, x_t, x0, masked, w) -> (params, opt_state, loss, acc)
-    (one compile per batch shape; `L` is kept for the callers that name it)."""
+    """A jitted step(params, opt_state, x_t, x0, masked, w[, pos]) -> (params, opt_state, loss, acc)
+    (one compile per batch shape and per pos given or not; `L` is kept for the callers that name
+    it). `step(params, opt_state, *make_batch(...))` takes either batch form."""
 
-    def loss_fn(params, xt, x0, masked, w):
-        return loss_and_accuracy(params, cfg, xt, x0, masked, w)
+    def loss_fn(params, xt, x0, masked, w, pos):
+        return loss_and_accuracy(params, cfg, xt, x0, masked, w, pos)
 
     @jax.jit
-    def step(params, opt_state, xt, x0, masked, w):
-        (loss, acc), g = jax.value_and_grad(loss_fn, has_aux=True)(params, xt, x0, masked, w)
+    def step(params, opt_state, xt, x0, masked, w, pos=None):
+        (loss, acc), g = jax.value_and_grad(loss_fn, has_aux=True)(params, xt, x0, masked, w, pos)
         upd, opt_state = opt.update(g, opt_state, params)
         return optax.apply_updates(params, upd), opt_state, loss, acc
 

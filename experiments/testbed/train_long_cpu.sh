@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Stage 32 (issue 53): long positions from short windows on the CPU, in the background.
+# Starts the run, or resumes it where its last checkpoint left it (the same command every time;
+# a session's end kills the process, the next session runs this again). Niced (19), so it takes
+# only the CPU time nobody else wants. docs/testbed_history.md, "Stage 32", says what and why.
+#
+#   bash experiments/testbed/train_long_cpu.sh          # start / resume; prints the pid
+#   tail -f ~/.cache/maskahead-jax/tb-long/log.txt      # progress, [eval] lines
+#
+# State (never in the work tree): $TB_LONG_DIR (default ~/.cache/maskahead-jax/tb-long):
+#   run/ckpt/          orbax checkpoints (every 10 training minutes; the two newest kept)
+#   run/metrics.jsonl  loss every 5 steps, held-out evals ({"eval": ..., "eval_L": 512|4096|8192})
+#   state/             the portable state (params.npz, opt.npz, metrics.jsonl) at every checkpoint
+#   export/            an HF export every 60 training minutes and at the end (the candidate)
+#   log.txt, pid       stdout/stderr of every run, the running process's id
+# Extra arguments are appended to train_testbed.py's (e.g. --wall-minutes 100).
+set -eu
+cd "$(dirname "$0")/../.."
+D=${TB_LONG_DIR:-$HOME/.cache/maskahead-jax/tb-long}
+PY=${PYTHON:-.venv/bin/python}
+mkdir -p "$D"
+if [ -f "$D/pid" ] && ps -p "$(cat "$D/pid")" -o args= 2>/dev/null | grep -q train_testbed; then
+  echo "already running: pid $(cat "$D/pid") (log $D/log.txt)"
+  exit 0
+fi
+echo "=== $(date -u) start/resume, git $(git rev-parse --short HEAD 2>/dev/null)" >> "$D/log.txt"
+nohup nice -n 19 "$PY" experiments/train_testbed.py \
+  --init-from maskahead_jax/testbed --logits-shift --seed 53 --layers 6 --heads 8 --kv-heads 4 --head-dim 32 \
+  --mqar-prob 0.15 --mqar-templates list,sentence,question --copy-prob 0.05 \
+  --task-weights 0.10,0.30,0.15,0.25,0.20 --packed-weights 0.25,0.25,0.3,0.2 --prompt-frac 0.5:0.92 \
+  --edge-depths 0.2 --answer-mask-prob 0.3 --answer-mask-max-len 32 \
+  --stages '0:512|2048|1024|2048|4096:8|2|4|2|1:0.3' \
+  --pose-target 32768 --pose-prob 0.75 --pose-min-len 2048 --pose-chunks 3 --max-positions 33280 \
+  --minutes 480 --lr 1e-4 --constant-lr --warmup 30 --gate 0 --log-every 5 \
+  --eval-minutes 30 --eval-lengths 512,4096,8192 --eval-tasks passkey,multikey --eval-n 8 --eval-long-n 4 \
+  --ckpt-minutes 10 --export-minutes 60 --final-lengths 4096,8192 --final-n 8 \
+  --run-dir "$D/run" --save-state "$D/state" --resume-state "$D/state" --out "$D/export" \
+  "$@" >> "$D/log.txt" 2>&1 &
+echo $! > "$D/pid"
+echo "pid $! (log $D/log.txt)"
