@@ -23,6 +23,7 @@ import os
 from typing import Any, Callable, Iterable, Optional, Union
 
 from maskahead_jax.config import FAMILY_DEFAULTS, ConfigError, ModelConfig
+from maskahead_jax.model.rope import scaling_from_hf
 
 # model_type (lower-cased) -> (family, key layout)
 MODEL_TYPES = {
@@ -78,6 +79,8 @@ def model_config_from_hf(hf: dict[str, Any], family: Optional[str] = None, keys:
     if family == "dream":  # also a forced family="dream" on a Qwen3-layout config
         family = "dream_reasoner" if layout == "qwen3" else dream_variant(hf, keys)
     kw = _llada_fields(hf, family) if layout == "llada" else _qwen_fields(hf, family, layout)
+    _refuse_unsupported(hf, kw)
+    kw.update(_rope_fields(hf, kw["max_position_embeddings"]))
     return _with_family_defaults(kw, hf, overrides)
 
 
@@ -159,9 +162,13 @@ def _qwen_fields(hf: dict[str, Any], family: str, layout: str) -> dict[str, Any]
     if family == "dream_reasoner" and layout == "qwen2":
         layout, qk_norm = "qwen3", True
     rotary = 0
+    prf = g("partial_rotary_factor", (_rope_dict(hf)[0] or {}).get("partial_rotary_factor", 1.0))
     if layout == "llada2":
-        rotary = int(head_dim * float(g("partial_rotary_factor", 1.0)))
+        rotary = int(head_dim * float(prf))
         rotary = 0 if rotary == head_dim else rotary
+    elif prf not in (None, 1, 1.0):
+        raise ConfigError(f"partial_rotary_factor={prf!r} is not supported for the {layout} layout (RoPE on "
+                          "the whole head there)")
     kw = dict(
         family=family,
         layout=layout,
@@ -173,7 +180,6 @@ def _qwen_fields(hf: dict[str, Any], family: str, layout: str) -> dict[str, Any]
         head_dim=head_dim,
         intermediate_size=g("intermediate_size"),
         rms_eps=float(g("rms_norm_eps", 1e-6)),
-        rope_theta=float(g("rope_theta", (g("rope_parameters") or {}).get("rope_theta", 10000.0))),
         rotary_dim=rotary,
         qkv_bias=bool(g("use_qkv_bias", layout == "qwen2")) if layout == "llada2" else layout == "qwen2",
         qk_norm=bool(qk_norm),
@@ -209,35 +215,146 @@ def _llada_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
         hidden_size=d,
         num_layers=g("n_layers") or g("num_hidden_layers"),
         num_heads=heads,
-        num_kv_heads=g("n_kv_heads") or g("num_key_value_heads") or heads,
+        num_kv_heads=g("n_kv_heads") or g("num_key_value_heads") or (1 if g("multi_query_attention") else heads),
         head_dim=d // heads,
         intermediate_size=g("mlp_hidden_size") or g("intermediate_size"),
         rms_eps=float(g("rms_norm_eps", g("layer_norm_eps", 1e-5))),
-        rope_theta=float(g("rope_theta", 10000.0)),
         qkv_bias=bool(g("include_qkv_bias", False)),
         tie_embeddings=bool(g("weight_tying", g("tie_word_embeddings", False))),
         max_position_embeddings=int(g("max_sequence_length", g("max_position_embeddings", 4096))),
     )
 
 
+def _rope_dict(hf: dict[str, Any]) -> tuple[Optional[dict], str]:
+    """The RoPE parameters dict and its key: `rope_scaling` when set (transformers puts it over
+    `rope_parameters`), else `rope_parameters`; a per-layer-type dict gives its full_attention entry."""
+    name = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    d = hf.get(name)
+    if isinstance(d, dict) and isinstance(d.get("full_attention"), dict):
+        return d["full_attention"], f"{name}.full_attention"
+    return d, name
+
+
+def _rope_fields(hf: dict[str, Any], max_positions: int) -> dict[str, Any]:
+    """rope_theta and rope_scaling of a config.json, and the positions a scaling is made for.
+
+    The base is the RoPE dict's `rope_theta` (transformers keeps it over the top-level one), else
+    the top-level `rope_theta`, else 10000. A scaling raises max_position_embeddings to factor x
+    original length when that is more."""
+    d, name = _rope_dict(hf)
+    theta = (d or {}).get("rope_theta") if isinstance(d, dict) else None
+    theta = hf.get("rope_theta") if theta is None else theta
+    theta = (hf.get("rope_parameters") or {}).get("rope_theta") if theta is None and isinstance(
+        hf.get("rope_parameters"), dict) else theta
+    theta = 10000.0 if theta is None else theta
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 < theta < float("inf"):
+        raise ConfigError(f"rope_theta must be a positive number, got {theta!r}")
+    top = hf.get("original_max_position_embeddings")
+    scaling = scaling_from_hf(d, max_positions, top if isinstance(top, int) and top > 0 else None, where=name)
+    out: dict[str, Any] = dict(rope_theta=float(theta), rope_scaling=scaling)
+    if scaling is not None:
+        out["max_position_embeddings"] = max(max_positions, scaling.extended_length)
+    return out
+
+
+_SILU = ("silu", "swish")  # transformers' ACT2FN: both are x * sigmoid(x)
+_LLADA_OFF = ("alibi", "attention_layer_norm", "input_emb_norm", "scale_logits", "include_bias")
+
+
+def _refuse_unsupported(hf: dict[str, Any], kw: dict[str, Any]) -> None:
+    """ConfigError naming the field when config.json asks for math this library does not run:
+    an activation other than SiLU, a sliding window shorter than the positions, LLaDA's (OLMo's)
+    alibi / q-k layer norm / embedding norm / logit scaling / biases / no RoPE / non-RMS norm,
+    BailingMoe's non-sigmoid router or output bias. docs/config_fields.md lists every field."""
+    g = hf.get
+    act_key = "activation_type" if kw["layout"] == "llada" else "hidden_act"
+    act = g(act_key)
+    if act is not None and str(act).lower() not in _SILU:
+        raise ConfigError(f"{act_key}={act!r} is not supported (the MLP here is SwiGLU with SiLU)")
+    if kw["layout"] == "llada":
+        on = [k for k in _LLADA_OFF if g(k)]
+        if on:
+            raise ConfigError(f"{on[0]}={g(on[0])!r} is not supported (LLaDA's blocks here have none)")
+        if g("rope") is False:
+            raise ConfigError("rope=false is not supported (LLaDA's blocks here apply RoPE)")
+        if g("clip_qkv") is not None:
+            raise ConfigError(f"clip_qkv={g('clip_qkv')!r} is not supported (q/k/v are not clipped here)")
+        if g("layer_norm_type") not in (None, "rms"):
+            raise ConfigError(f"layer_norm_type={g('layer_norm_type')!r} is not supported (RMSNorm only)")
+    if kw["layout"] == "llada2":
+        if g("score_function") not in (None, "sigmoid"):
+            raise ConfigError(f"score_function={g('score_function')!r} is not supported (sigmoid routing only)")
+        if g("use_bias"):
+            raise ConfigError("use_bias=true is not supported (no output-projection bias in this layout)")
+    _refuse_sliding(hf, kw)
+
+
+def _refuse_sliding(hf: dict[str, Any], kw: dict[str, Any]) -> None:
+    """A sliding window narrower than the model's positions on any layer (transformers' Qwen2 /
+    Qwen3 rule: `sliding_window` counts only with `use_sliding_window`; the layers are those
+    `layer_types` names sliding_attention, else those from `max_window_layers` (default 28) on)."""
+    types = hf.get("layer_types")
+    if types is not None:
+        odd = sorted({str(t) for t in types} - {"full_attention", "sliding_attention"})
+        if odd:
+            raise ConfigError(f"layer_types {odd} are not supported (full attention only)")
+    window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
+    if window is None:
+        return
+    n = kw["num_layers"] or 0
+    if types is not None:
+        sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    else:
+        sliding = list(range(int(hf.get("max_window_layers", 28) or 0), n))
+    if sliding and window < kw["max_position_embeddings"]:
+        raise ConfigError(f"use_sliding_window=true with sliding_window={window} (layers {sliding[0]}..{sliding[-1]}) "
+                          f"is not supported: attention here reads all {kw['max_position_embeddings']} positions")
+
+
+def _int_field(hf: dict[str, Any], key: str, default: int) -> int:
+    v = hf.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v):
+        raise ConfigError(f"{key} must be an integer, got {v!r}")
+    return int(v)
+
+
+def _token_ids(hf: dict[str, Any], key: str, vocab: Any) -> Optional[tuple[int, ...]]:
+    """config.json's own token id(s) under `key`, each checked against the vocabulary."""
+    v = hf.get(key)
+    if v is None or (isinstance(v, (list, tuple)) and not v):
+        return None
+    ids = v if isinstance(v, (list, tuple)) else [v]
+    if any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+        raise ConfigError(f"{key} must be a token id or a list of them, got {v!r}")
+    if isinstance(vocab, int):
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise ConfigError(f"{key}={bad[0]} is not a token of the vocabulary [0, vocab_size={vocab})")
+    return tuple(ids)
+
+
 def _with_family_defaults(kw: dict[str, Any], hf: dict[str, Any], overrides: dict[str, Any]) -> ModelConfig:
     """Fill the block-diffusion fields: the config's own value, else the family default."""
     d = FAMILY_DEFAULTS[kw["family"]]
-    eos = d.eos_token_ids
-    eos_hf = hf.get("eos_token_id")
-    if isinstance(eos_hf, int):
-        eos = (eos_hf,)
-    elif isinstance(eos_hf, (list, tuple)) and eos_hf:
-        eos = tuple(int(e) for e in eos_hf)
+    eos = _token_ids(hf, "eos_token_id", kw.get("vocab_size")) or d.eos_token_ids
+    pad = _token_ids(hf, "pad_token_id", kw.get("vocab_size"))
+    threshold = hf.get("threshold", d.threshold)
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 < threshold <= 1:
+        raise ConfigError(f"threshold must be a number in (0, 1], got {threshold!r}")
+    block = next((k for k in ("bd_size", "block_size", "block_length") if hf.get(k) is not None), None)
+    if block and _int_field(hf, block, 32) <= 0:
+        raise ConfigError(f"{block} must be a positive integer, got {hf[block]!r}")
     kw.update(
         attention=hf.get("attention", d.attention),
         logits_shift=bool(hf.get("logits_shift", d.logits_shift)),
         commit_rule=hf.get("commit_rule", d.commit_rule),
-        threshold=float(hf.get("threshold", d.threshold)),
-        mask_token_id=int(hf.get("mask_token_id", d.mask_token_id)),
+        threshold=float(threshold),
+        mask_token_id=_int_field(hf, "mask_token_id", d.mask_token_id),
         eos_token_ids=eos,
-        pad_token_id=int(hf.get("pad_token_id") if hf.get("pad_token_id") is not None else eos[0]),
-        block_size=int(hf.get("bd_size", hf.get("block_size", hf.get("block_length", 32)) or 32)),
+        pad_token_id=pad[0] if pad else eos[0],
+        block_size=_int_field(hf, block, 32) if block else 32,
     )
     kw.update(overrides)
     if kw.get("eos_token_ids") is not None:

@@ -28,10 +28,11 @@ from tqdm.auto import tqdm
 from maskahead_jax.config import FAMILY_DEFAULTS, ConfigError, ModelConfig
 from maskahead_jax.model import param_shapes
 from maskahead_jax.model.container import Model
+from maskahead_jax.model.rope import with_rope
 
 from .hf_config import checkpoint_keys, model_config_from_hf
 from .keymaps import IGNORED, build_plan, convert_tensor
-from .tensors import CheckpointError, open_tensors, weight_files
+from .tensors import CheckpointError, nonfinite_count, open_tensors, weight_files
 
 MARKER = "maskahead.json"
 PARAMS_DIR = "params"
@@ -147,7 +148,16 @@ def resolve_model_path(name: str, quiet: bool = False) -> str:
 
 
 def _np_dtype(dtype) -> Optional[np.dtype]:
-    return None if dtype is None else np.dtype(jnp.dtype(dtype))
+    """The numpy dtype of a `dtype=` argument; anything but a float dtype is a ConfigError."""
+    if dtype is None:
+        return None
+    try:
+        dt = np.dtype(jnp.dtype(dtype))
+    except TypeError:
+        dt = None
+    if dt is None or not jnp.issubdtype(dt, jnp.floating):
+        raise ConfigError(f"dtype={dtype!r} is not a floating-point dtype; use float32, bfloat16 or float16")
+    return dt
 
 
 def read_config(path: str, family: Optional[str] = None) -> ModelConfig:
@@ -210,6 +220,7 @@ def load_hf_params(path: str, cfg: ModelConfig, dtype=None, progress: bool = Fal
         if tensors[k].shape != e.hf_shape:
             raise CheckpointError(f"wrong shape for {k} in {tensors[k].file}: expected {e.hf_shape}, "
                                   f"found {tensors[k].shape}")
+        _check_float(k, tensors[k].file, tensors[k].dtype)
     embed_key = next(k for k, e in plan.items() if e.slots[0].path == ("embed",))
     dt = _np_dtype(dtype)
     if dt is None:
@@ -225,7 +236,12 @@ def load_hf_params(path: str, cfg: ModelConfig, dtype=None, progress: bool = Fal
     for k in tqdm(order, desc=f"converting {os.path.basename(os.path.normpath(path))}",
                   disable=not progress, unit="tensor"):
         e = plan[k]
-        for slot, arr in zip(e.slots, convert_tensor(e, tensors[k].load())):
+        x = tensors[k].load()
+        _check_float(k, tensors[k].file, x.dtype)
+        bad = nonfinite_count(x)
+        if bad:
+            raise CheckpointError(f"tensor {k} in {tensors[k].file} has {bad} non-finite value(s) (NaN / inf)")
+        for slot, arr in zip(e.slots, convert_tensor(e, x)):
             bufs[slot.path][slot.index] = arr
 
     def to_device(tree, prefix=()):
@@ -241,6 +257,14 @@ def load_hf_params(path: str, cfg: ModelConfig, dtype=None, progress: bool = Fal
         return out
 
     return to_device(shapes)
+
+
+def _check_float(key: str, file: str, dtype) -> None:
+    """A weight stored as integers or booleans (a quantized checkpoint, a wrong export) is refused:
+    casting it to float would load other numbers than the model's."""
+    if dtype is not None and not jnp.issubdtype(dtype, jnp.floating):
+        raise CheckpointError(f"tensor {key} in {file} is stored as {np.dtype(dtype).name}, not a float dtype: "
+                              "quantized / integer weights are not supported (they would be cast, not dequantized)")
 
 
 def _at(tree, path):
@@ -300,11 +324,15 @@ def restore_orbax(path: str, cfg: ModelConfig, dtype, shardings=None) -> dict:
 
 
 def load_model(path: str, dtype=None, progress: bool = False, mesh=None,
-               family: Optional[str] = None) -> Model:
+               family: Optional[str] = None, rope_theta: Optional[float] = None, rope_scaling=None,
+               max_position_embeddings: Optional[int] = None) -> Model:
     """Load an HF folder (safetensors / torch .bin) or a folder written by `convert`.
 
     family: force the model family (`model_config_from_hf`), e.g. to run a Qwen2 folder without
     a block-diffusion marker as fast_dllm_v2.
+
+    rope_theta / rope_scaling / max_position_embeddings: RoPE knobs applied over config.json
+    (`maskahead_jax.model.rope.with_rope`; checked before any weight is read).
 
     mesh: optional jax Mesh or spec ("data=2,model=4"): params are loaded straight into their
     shards by the rules of `maskahead_jax.sharding` (orbax restores sharded; HF tensors are put
@@ -313,8 +341,9 @@ def load_model(path: str, dtype=None, progress: bool = False, mesh=None,
     path: a local folder, or a Hugging Face hub id ("org/name") resolved through the Hugging
     Face cache (`resolve_model_path`; a local path that exists wins).
     """
+    _np_dtype(dtype)  # a non-float dtype is refused before anything is read
     path = resolve_model_path(path)
-    cfg = read_config(path, family)
+    cfg = with_rope(read_config(path, family), rope_theta, rope_scaling, max_position_embeddings)
     shardings = _mesh_shardings(cfg, mesh)
     if is_converted(path):
         with open(os.path.join(path, MARKER)) as f:

@@ -11,7 +11,7 @@ import os
 import pickle
 import struct
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import ml_dtypes
 import numpy as np
@@ -30,11 +30,32 @@ _ST_DTYPES = {
 
 @dataclass(frozen=True)
 class TensorRef:
-    """Where one tensor lives: its shape and a loader that returns it as a numpy array."""
+    """Where one tensor lives: its shape, a loader that returns it as a numpy array, and its
+    stored dtype as the file header says (None where the format does not say it up front)."""
 
     file: str
     shape: tuple[int, ...]
     load: Callable[[], np.ndarray]
+    dtype: Optional[np.dtype] = None
+
+
+# bits that are all set in the exponent of an inf / NaN, per float width
+_EXP_MASK = {2: None, 4: np.uint32(0x7F800000), 8: np.uint64(0x7FF0000000000000)}
+
+
+def nonfinite_count(x: np.ndarray, chunk: int = 1 << 24) -> int:
+    """How many entries of a float array are inf or NaN, read in chunks (the exponent bits of the
+    raw words: no float copy of the tensor is made)."""
+    x = np.ascontiguousarray(x).reshape(-1)
+    size = x.dtype.itemsize
+    if size not in (2, 4, 8):
+        return int(np.count_nonzero(~np.isfinite(x.astype(np.float32))))
+    if size == 2:  # float16: 5 exponent bits; bfloat16: 8
+        mask = np.uint16(0x7C00) if x.dtype == np.float16 else np.uint16(0x7F80)
+    else:
+        mask = _EXP_MASK[size]
+    words = x.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[size])
+    return sum(int(np.count_nonzero((words[i:i + chunk] & mask) == mask)) for i in range(0, words.size, chunk))
 
 
 def _safetensors_entries(path: str) -> dict[str, TensorRef]:
@@ -79,7 +100,7 @@ def _safetensors_entries(path: str) -> dict[str, TensorRef]:
             mm = np.memmap(path, dtype=np.uint8, mode="r", offset=base + start, shape=(stop - start,))
             return mm.view(dtype).reshape(shape)
 
-        out[key] = TensorRef(name, shape, load)
+        out[key] = TensorRef(name, shape, load, dtype)
     return out
 
 
@@ -120,7 +141,15 @@ def _torch_entries(path: str) -> dict[str, TensorRef]:
             return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
         return t.numpy()
 
-    return {k: TensorRef(name, tuple(v.shape), lambda v=v: to_numpy(v)) for k, v in sd.items()}
+    def np_dtype(t) -> Optional[np.dtype]:
+        if t.dtype == torch.bfloat16:
+            return np.dtype(ml_dtypes.bfloat16)
+        try:
+            return np.dtype(str(t.dtype).removeprefix("torch."))
+        except TypeError:
+            return None
+
+    return {k: TensorRef(name, tuple(v.shape), lambda v=v: to_numpy(v), np_dtype(v)) for k, v in sd.items()}
 
 
 def _shards(folder: str, index_name: str, pattern_ok: Callable[[str], bool]) -> list[str]:

@@ -23,19 +23,28 @@ def model_folder(path: str) -> str:
     return resolve_model_path(path)
 
 
-def load_pretrained(path: str, dtype=None, family: Optional[str] = None) -> Model:
+def load_pretrained(path: str, dtype=None, family: Optional[str] = None, *, rope_theta: Optional[float] = None,
+                    rope_scaling=None, max_position_embeddings: Optional[int] = None) -> Model:
     """Load an HF-layout folder (config.json + safetensors / torch .bin) or a converted orbax folder,
     or a Hugging Face hub id such as "Efficient-Large-Model/Fast_dLLM_v2_7B" (`model_folder`:
     through the Hugging Face cache; no code from the repository is downloaded or run).
 
     family: force the model family (fast_dllm_v2, dream, sdar, dream_reasoner, llada, llada2)
     instead of the one config.json implies; a qwen2 / qwen3 config without a block-diffusion
-    marker is a plain autoregressive model and is refused unless a family is forced."""
+    marker is a plain autoregressive model and is refused unless a family is forced.
+
+    dtype: a float dtype (float32, bfloat16, float16); None keeps the checkpoint's.
+    rope_theta: replace config.json's RoPE base (LongLLaDA's recipe: multiply it by 4-55 for LLaDA-8B).
+    rope_scaling: replace config.json's RoPE scaling: "yarn:4", "linear:2", "dynamic:2", "llama3:8"
+    (TYPE:FACTOR[:ORIGINAL_LENGTH]; the original length defaults to the checkpoint's), an HF-style
+    dict, or "none"; it raises max_position_embeddings to factor x original length.
+    max_position_embeddings: the positions the engine allows, set outright (docs/long_context.md)."""
     # converters sit above the library (they import it); import them only when called, so that
     # importing maskahead_jax never imports converters
     from converters.load import load_model
 
-    return load_model(path, dtype=dtype, family=family)
+    return load_model(path, dtype=dtype, family=family, rope_theta=rope_theta, rope_scaling=rope_scaling,
+                      max_position_embeddings=max_position_embeddings)
 
 
 _forward_jit = numerics.jit(forward_logits, static_argnames=("cfg", "attention"))

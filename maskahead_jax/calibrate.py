@@ -46,7 +46,7 @@ def _cos_sums(params, tokens, valid, *, cfg: ModelConfig):
     b, t = tokens.shape
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     mask = full_mask(pos, cfg.attention, cfg.block_size, key_valid=valid)
-    cos, sin = rope_tables(pos, cfg.rope_dim, cfg.rope_theta)
+    cos, sin = rope_tables(pos, cfg)
     x = embed(params, tokens)
     sums = []
     for l in range(cfg.num_layers):
@@ -108,10 +108,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="output JSON (default MODEL/maskkv_layer_importance.json)")
+    ap.add_argument("--rope-theta", type=float, default=None, help="replace the model's RoPE base")
+    ap.add_argument("--rope-scaling", default=None, help="replace its RoPE scaling: yarn:4, linear:2, ... or none")
+    ap.add_argument("--max-positions", type=int, default=None, help="override its max_position_embeddings")
     args = ap.parse_args(argv)
     from .api import load_pretrained
 
-    model = load_pretrained(args.model)
+    model = load_pretrained(args.model, rope_theta=args.rope_theta, rope_scaling=args.rope_scaling,
+                            max_position_embeddings=args.max_positions)
     cfg = model.config
     if args.tokens:
         with open(args.tokens) as f:

@@ -16,7 +16,7 @@ import tempfile
 import time
 from typing import Optional, Sequence
 
-from .config import FAMILY_DEFAULTS
+from .config import FAMILY_DEFAULTS, ConfigError
 
 TESTBED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "testbed")
 
@@ -209,23 +209,40 @@ def _cannot_load(path: str, e: Exception) -> CLIError:
     return CLIError(f"cannot load {path}: {describe_error(e)}{_null_fields(path)}")
 
 
-def _model_config(path: Optional[str], family: Optional[str] = None):
-    """The ModelConfig of a model folder, read without its weights (checked before the load)."""
+def _rope_knobs(args) -> dict:
+    """load_pretrained's RoPE knobs from --rope-theta / --rope-scaling / --max-positions."""
+    return dict(rope_theta=getattr(args, "rope_theta", None), rope_scaling=getattr(args, "rope_scaling", None),
+                max_position_embeddings=getattr(args, "max_positions", None))
+
+
+def _model_config(path: Optional[str], family: Optional[str] = None, args=None):
+    """The ModelConfig of a model folder, read without its weights (checked before the load),
+    with the command's RoPE / positions flags applied."""
     from converters.load import read_config
 
     path = _model_path(path)
     try:
-        return read_config(path, family)
+        cfg = read_config(path, family)
     except Exception as e:
         raise _cannot_load(path, e) from e
+    return _with_rope_flags(cfg, args)
 
 
-def _load(path: Optional[str], dtype: Optional[str] = None, family: Optional[str] = None):
+def _with_rope_flags(cfg, args):
+    from .model.rope import with_rope
+
+    try:
+        return with_rope(cfg, **_rope_knobs(args))
+    except ConfigError as e:
+        raise CLIError(f"--rope-theta / --rope-scaling / --max-positions: {e}") from None
+
+
+def _load(path: Optional[str], dtype: Optional[str] = None, family: Optional[str] = None, args=None):
     from .api import load_pretrained
 
     path = _model_path(path)
     try:
-        return load_pretrained(path, dtype=dtype, family=family), path
+        return load_pretrained(path, dtype=dtype, family=family, **_rope_knobs(args)), path
     except Exception as e:  # a corrupt orbax folder, a bad maskahead.json, a null config field ...
         raise _cannot_load(path, e) from e
 
@@ -332,6 +349,16 @@ def _add_model(p, default_testbed=True):
                    help="prompt tokens per prefill forward, a multiple of the block size (default 512): "
                         "with bounded prefill the peak KV is the budget plus one chunk")
     p.add_argument("--policy-kw", default=None, help=POLICY_KW_HELP)
+    p.add_argument("--rope-theta", type=_pos_float, default=None,
+                   help="replace the model's RoPE base (LongLLaDA: multiply LLaDA's / Dream's by 4-55; "
+                        "docs/long_context.md)")
+    p.add_argument("--rope-scaling", default=None, metavar="TYPE:FACTOR[:ORIGINAL]",
+                   help="replace the model's RoPE scaling: yarn:4, linear:2, dynamic:2, llama3:8, or none; raises "
+                        "the positions to FACTOR x the original length (default: the checkpoint's)")
+    p.add_argument("--max-positions", type=_pos_int, default=None,
+                   help="override the model's max_position_embeddings (longer prompts; timing runs beyond "
+                        "the trained range)")
+
 
 
 def _add_mesh(parser) -> None:
@@ -427,8 +454,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=_pos_int, default=1)
     p.add_argument("--kv-budget-gb", type=_pos_float, default=40.0, help="KV memory budget for serving capacity")
     _add_mesh(p)
-    p.add_argument("--max-positions", type=_pos_int, default=None,
-                   help="override the model's max_position_embeddings (timing runs beyond the trained range)")
     p.add_argument("--out", default=None, help="write the full result as JSON to this file (atomically); "
                                                 "stdout gets a table")
     p.add_argument("--json", action="store_true", help="print the JSON on stdout instead of the table")
@@ -471,7 +496,7 @@ def cmd_generate(args) -> int:
         if not ids:
             raise CLIError("--ids is empty")
     kw = _kw(args.policy_kw)
-    cfg = _model_config(path, args.family)
+    cfg = _model_config(path, args.family, args)
     gen = _gen(args, args.max_new_tokens)
     cap = args.capacity if takes_budget(args.policy) else None
     _, built = _policies(cfg, gen, [args.policy], [cap], kw, args.max_new_tokens, args.preset)
@@ -479,7 +504,7 @@ def cmd_generate(args) -> int:
     tok = load_tokenizer(path)
     if ids is None:
         ids = tok.encode_prompt(args.prompt, chat=args.chat)
-    model, path = _load(path, args.dtype, args.family)
+    model, path = _load(path, args.dtype, args.family, args)
     out = generate(model, [ids], gen, policy, mesh=args.mesh or None)
     st = out.stats
     print(json.dumps(dict(
@@ -521,7 +546,7 @@ def cmd_eval(args) -> int:
     caps = parse_capacities(args.capacity)
     kw = _kw(args.policy_kw)
     path = _model_path(args.model)
-    cfg = _model_config(path, args.family)
+    cfg = _model_config(path, args.family, args)
     gen = _gen(args)
     factory, _ = _policies(cfg, gen, policies, caps, kw, args.max_new_tokens, args.preset)
 
@@ -563,7 +588,7 @@ def cmd_eval(args) -> int:
     if not exs:
         raise CLIError("no examples: the data files given hold none (or --longbench-datasets kept none)")
 
-    model, path = _load(path, args.dtype, args.family)
+    model, path = _load(path, args.dtype, args.family, args)
     print(f"[eval] {len(exs)} examples x {len(policies)} policies x {len(caps)} capacities -> {args.out}",
           file=sys.stderr)
     try:
@@ -631,7 +656,7 @@ def _cmd_eval_sweep(args) -> int:
         raise CLIError(f"--sweep {args.sweep} fixes its examples, policies and settings; drop {', '.join(clash)}")
     args.preset = sp.preset
     path = _model_path(args.model)
-    cfg = _model_config(path, args.family)
+    cfg = _model_config(path, args.family, args)
     gen = _gen(args)
     factory = sweep_factory(sp)
     build_policies(cfg, gen, sp.policies, sp.capacities, factory)  # refuse before loading anything
@@ -639,7 +664,7 @@ def _cmd_eval_sweep(args) -> int:
     exs = sweep_examples(sp, tok)
     dataset = dict(sweep=dict(name=args.sweep, cells=[[list(t), ln, n, sfx] for t, ln, n, sfx in sp.cells],
                               depths=list(sp.depths), seed=sp.seed))
-    model, path = _load(path, args.dtype, args.family)
+    model, path = _load(path, args.dtype, args.family, args)
     print(f"[eval] sweep {args.sweep}: {len(exs)} examples x {len(sp.policies)} policies x "
           f"{len(sp.capacities)} capacities -> {args.out}", file=sys.stderr)
     try:
@@ -682,14 +707,13 @@ def cmd_profile(args) -> int:
     kw = _kw(args.policy_kw)
     if args.shape:
         cfg = PR.shape_config(args.shape, args.layers)
+        cfg = _with_rope_flags(cfg, args)
         label = args.shape + (f" ({args.layers} layers)" if args.layers else "")
         if args.preset is None:
             args.preset = PR.SHAPE_PRESET.get(args.shape.lower())
     else:
         label = _model_path(args.model)
-        cfg = _model_config(label, args.family)
-    if args.max_positions:
-        cfg = cfg.replace(max_position_embeddings=args.max_positions)
+        cfg = _model_config(label, args.family, args)
     gen = _gen(args)
     bs = gen.block_size or cfg.block_size
     if args.out_len <= bs:
@@ -703,7 +727,7 @@ def cmd_profile(args) -> int:
     else:
         from .api import Model
 
-        model, _ = _load(label, args.dtype, args.family)
+        model, _ = _load(label, args.dtype, args.family, args)
         model = Model(cfg, model.params)
     res = PR.profile(model, args.prompt_len, args.out_len, batches, policies,
                      capacity=args.capacity, gen=gen, repeats=args.repeats, policy_kw=kw,

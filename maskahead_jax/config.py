@@ -79,6 +79,7 @@ class ModelConfig:
     commit_rule: str = "dynamic"
     threshold: float = 0.9
     max_position_embeddings: int = 32768
+    rope_scaling: Optional["RopeScaling"] = None  # maskahead_jax.model.rope.RopeScaling; None = plain RoPE
 
     def __post_init__(self):
         if self.attention not in ATTENTION_KINDS:
@@ -88,6 +89,13 @@ class ModelConfig:
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
             raise ConfigError(f"rotary_dim={self.rotary_dim} must be even and <= head_dim")
+        if isinstance(self.rope_theta, bool) or not isinstance(self.rope_theta, (int, float)) \
+                or not 0 < self.rope_theta < float("inf"):
+            raise ConfigError(f"rope_theta must be a positive number, got {self.rope_theta!r}")
+        s = self.rope_scaling
+        if s is not None and s.type == "longrope" and len(s.short_factor) != self.rope_dim // 2:
+            raise ConfigError(f"rope_scaling (longrope): short_factor / long_factor need {self.rope_dim // 2} "
+                              f"entries (rotary dim / 2), got {len(s.short_factor)}")
         if self.vocab_size is None or self.vocab_size < 1:
             raise ConfigError(f"vocab_size must be a positive integer, got {self.vocab_size!r}")
         if not 0 <= self.mask_token_id < self.vocab_size:

@@ -113,15 +113,16 @@ def rename(sd: dict[str, torch.Tensor], rules: list[tuple[str, str]]) -> dict[st
 # ------------------------------------------------------------------ families
 
 
-def qwen2(path: str, seed: int = 0, tie: bool = False) -> Case:
+def qwen2(path: str, seed: int = 0, tie: bool = False, **config) -> Case:
     """Fast-dLLM v2 / Dream layout: Qwen2 with q/k/v bias, saved by save_pretrained. config.json
     carries Fast-dLLM v2's `bd_size` (what marks a qwen2 config as a diffusion LM) and a mask id
-    inside the tiny vocabulary."""
+    inside the tiny vocabulary. config: more Qwen2Config fields (e.g. rope_parameters)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie,
-                      rope_theta=10000.0, bd_size=BLOCK, mask_token_id=VOCAB - 1, attn_implementation="eager")
+    cfg = Qwen2Config(**{**dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie,
+                                rope_theta=10000.0, bd_size=BLOCK, mask_token_id=VOCAB - 1,
+                                attn_implementation="eager"), **config})
     model = randomize_(Qwen2ForCausalLM(cfg), seed)
     if tie:
         model.tie_weights()
@@ -129,14 +130,16 @@ def qwen2(path: str, seed: int = 0, tie: bool = False) -> Case:
     return Case("qwen2", model, path)
 
 
-def qwen3(path: str, seed: int = 0) -> Case:
+def qwen3(path: str, seed: int = 0, **config) -> Case:
     """SDAR / DreamReasoner layout: Qwen3 with per-head q/k RMSNorm and no bias. config.json carries
-    SDAR's `block_size` (the diffusion marker of a qwen3 config) and a mask id inside the vocabulary."""
+    SDAR's `block_size` (the diffusion marker of a qwen3 config) and a mask id inside the vocabulary.
+    config: more Qwen3Config fields (e.g. rope_parameters)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=False,
-                      rope_theta=1e6, block_size=BLOCK, mask_token_id=VOCAB - 1, attn_implementation="eager")
+    cfg = Qwen3Config(**{**dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=False,
+                                rope_theta=1e6, block_size=BLOCK, mask_token_id=VOCAB - 1,
+                                attn_implementation="eager"), **config})
     model = randomize_(Qwen3ForCausalLM(cfg), seed)
     model.save_pretrained(path)
     return Case("qwen3", model, path)
@@ -156,20 +159,25 @@ _LLADA_KEYS = [
 ]
 
 
-def llada(path: str, seed: int = 0, fmt: str = "safetensors") -> Case:
-    """LLaDA-8B layout: Llama (MHA, no bias) renamed into the OLMo block keys, LLaDA config.json."""
+def llada(path: str, seed: int = 0, fmt: str = "safetensors", rope_scaling: dict | None = None,
+          max_positions: int = 4096) -> Case:
+    """LLaDA-8B layout: Llama (MHA, no bias) renamed into the OLMo block keys, LLaDA config.json.
+    rope_scaling: an HF rope_scaling dict given to both the Llama model and config.json."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     heads = 4
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=2,
                       num_attention_heads=heads, num_key_value_heads=heads, rms_norm_eps=1e-5,
-                      rope_theta=500000.0, tie_word_embeddings=False, attn_implementation="eager")
+                      rope_theta=500000.0, tie_word_embeddings=False, attn_implementation="eager",
+                      max_position_embeddings=max_positions,
+                      **({"rope_scaling": dict(rope_scaling)} if rope_scaling else {}))
     model = randomize_(LlamaForCausalLM(cfg), seed)
     config = {"model_type": "llada", "architectures": ["LLaDAModelLM"], "d_model": HIDDEN, "n_layers": 2,
               "n_heads": heads, "n_kv_heads": heads, "mlp_hidden_size": FFN, "embedding_size": VOCAB,
               "vocab_size": VOCAB, "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "block_type": "llama",
               "include_qkv_bias": False, "include_bias": False, "weight_tying": False,
-              "max_sequence_length": 4096, "mask_token_id": VOCAB - 1}
+              "max_sequence_length": max_positions, "mask_token_id": VOCAB - 1,
+              **({"rope_scaling": rope_scaling} if rope_scaling else {})}
     write_checkpoint(path, rename(model.state_dict(), _LLADA_KEYS), config, fmt)
     return Case("llada", model, path)
 

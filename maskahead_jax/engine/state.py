@@ -56,7 +56,7 @@ def rope_last(cfg, last) -> tuple:
     """(cos, sin) [B, 2, rope_dim] at positions (last - 1, last) of each row: the RoPE phase and
     per-position step of a forward whose last position is last [B] (ctx.rope)."""
     pos = jnp.stack([last - 1, last], axis=-1).astype(jnp.int32)
-    return rope_tables(pos, cfg.rope_dim, cfg.rope_theta)
+    return rope_tables(pos, cfg)
 
 
 def dense_bytes(cfg, cache) -> jax.Array:

@@ -1,8 +1,12 @@
 """Small building blocks: RMSNorm, rotary embeddings (NeoX rotate-half, full or partial), SwiGLU."""
 from __future__ import annotations
 
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
+
+from .rope import RopeScaling, frequencies
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -12,12 +16,24 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return w * y.astype(x.dtype)
 
 
-def rope_tables(positions: jax.Array, rot_dim: int, theta: float):
-    """cos/sin [B, T, rot_dim] for integer positions [B, T] (float32)."""
-    inv = 1.0 / (theta ** (jnp.arange(0, rot_dim, 2, dtype=jnp.float32) / rot_dim))
+def rope_tables(positions: jax.Array, cfg_or_dim, theta: Optional[float] = None,
+                scaling: Optional[RopeScaling] = None) -> tuple[jax.Array, jax.Array]:
+    """cos/sin [B, T, rot_dim] float32 for integer positions [B, T].
+
+    `rope_tables(positions, cfg)` reads rope_dim / rope_theta / rope_scaling from a ModelConfig;
+    `rope_tables(positions, rot_dim, theta, scaling=None)` takes them as given. A scaling's
+    attention factor (yarn, longrope) multiplies cos and sin, as transformers does."""
+    if theta is None:
+        rot_dim, theta, scaling = cfg_or_dim.rope_dim, cfg_or_dim.rope_theta, cfg_or_dim.rope_scaling
+    else:
+        rot_dim = cfg_or_dim
+    inv, att = frequencies(positions, rot_dim, theta, scaling)
     ang = positions.astype(jnp.float32)[..., None] * inv  # [B, T, rot/2]
     ang = jnp.concatenate([ang, ang], axis=-1)
-    return jnp.cos(ang), jnp.sin(ang)
+    cos, sin = jnp.cos(ang), jnp.sin(ang)
+    if att != 1.0:
+        cos, sin = cos * jnp.float32(att), sin * jnp.float32(att)
+    return cos, sin
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

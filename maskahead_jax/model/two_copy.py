@@ -87,7 +87,7 @@ def two_copy_hidden(params, cfg: ModelConfig, xt, x0, chunk: int = 512) -> jax.A
                          "with two_copy_mask for MoE")
     bsz, L = xt.shape
     pos = jnp.broadcast_to(jnp.concatenate([jnp.arange(L), jnp.arange(L)]).astype(jnp.int32), (bsz, 2 * L))
-    cos, sin = rope_tables(pos, cfg.rope_dim, cfg.rope_theta)
+    cos, sin = rope_tables(pos, cfg)
     chunk = min(chunk, L)
 
     def layer(x, p):
