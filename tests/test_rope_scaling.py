@@ -337,3 +337,15 @@ def test_knobs_match_transformers_with_the_same_rope(tmp_path, toks, knobs, hf_r
     diff = _parity(hf.Case("scaled", scaled, case.path), "block_causal", toks, **knobs)
     print(f"rope parity knob {knobs}: max |dlogit| {diff:.2e}")
     assert diff <= FP32_TOL, diff
+
+
+def test_export_writes_the_scaling_back():
+    """A testbed export's config.json carries the model's RoPE scaling and reads back the same."""
+    from experiments.testbed.export import hf_config
+
+    base = mj.load_pretrained(TESTBED).config
+    for s in (RopeScaling("yarn", 4.0, 8192, mscale=0.8, mscale_all_dim=1.0, beta_fast=16.0),
+              RopeScaling("llama3", 8.0, 8192, low_freq_factor=2.0, high_freq_factor=8.0),
+              RopeScaling("dynamic", 2.0, 8192), RopeScaling("linear", 2.0)):
+        cfg = base.replace(rope_scaling=s, max_position_embeddings=max(8192, s.extended_length))
+        assert model_config_from_hf(json.loads(json.dumps(hf_config(cfg)))) == cfg

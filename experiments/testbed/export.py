@@ -11,6 +11,7 @@ import numpy as np
 
 from maskahead_jax import tasks as T
 from maskahead_jax.config import ModelConfig
+from maskahead_jax.model.rope import hf_fields as rope_hf_fields
 
 # per key layout: (architectures, model_type); both read back as the config's layout
 # (converters.hf_config.MODEL_TYPES: "sdar" -> qwen3 keys, "fast_dllm_qwen" -> qwen2 keys)
@@ -37,6 +38,7 @@ def hf_config(cfg: ModelConfig) -> dict:
         "pad_token_id": cfg.pad_token_id, "bos_token_id": T.BOS_ID, "block_size": cfg.block_size,
         "attention": cfg.attention, "logits_shift": cfg.logits_shift, "commit_rule": cfg.commit_rule,
         "threshold": cfg.threshold,
+        **rope_hf_fields(cfg),  # the RoPE scaling, if any (maskahead_jax.model.rope)
     }
 
 

@@ -110,7 +110,7 @@ class RopeScaling:
     def to_hf(self) -> dict[str, Any]:
         """The `rope_scaling` dict of a config.json (what `scaling_from_hf` reads back)."""
         d: dict[str, Any] = {"rope_type": self.type, "factor": self.factor}
-        if self.original_max_position_embeddings:
+        if self.original_max_position_embeddings and self.type != "dynamic":  # dynamic: max_position_embeddings
             d["original_max_position_embeddings"] = self.original_max_position_embeddings
         if self.type == "yarn":
             d.update(beta_fast=self.beta_fast, beta_slow=self.beta_slow, truncate=self.truncate)
@@ -123,6 +123,18 @@ class RopeScaling:
         if self.type == "longrope":
             d.update(short_factor=list(self.short_factor), long_factor=list(self.long_factor))
         return d
+
+
+def hf_fields(cfg: ModelConfig) -> dict[str, Any]:
+    """The config.json fields that carry cfg's RoPE scaling (none for plain RoPE): `rope_scaling`,
+    and for dynamic NTK `max_position_embeddings` = its original length (what transformers reads)."""
+    s = cfg.rope_scaling
+    if s is None:
+        return {}
+    out: dict[str, Any] = {"rope_scaling": s.to_hf()}
+    if s.type == "dynamic":
+        out["max_position_embeddings"] = s.original_max_position_embeddings
+    return out
 
 
 def _finite(v) -> bool:
