@@ -51,8 +51,14 @@ def _record_one(model, prompts, gen, name, pct):
         out = generate(model, prompts, gen, pol)
     except (PolicyError, ValueError) as e:
         return dict(error=f"{type(e).__name__}: {e}")
-    stats = {k: v for k, v in out.stats.items() if k not in TIMING_KEYS}
-    return dict(policy=repr(pol), tokens=out.tokens, stats=stats)
+    return dict(policy=repr(pol), tokens=out.tokens, stats=_without_timings(out.stats))
+
+
+def _without_timings(stats):
+    """The stats with every wall time removed, nested ones too (a drafted run's stats["draft"])."""
+    if isinstance(stats, dict):
+        return {k: _without_timings(v) for k, v in stats.items() if k not in TIMING_KEYS}
+    return stats
 
 
 def cases():
