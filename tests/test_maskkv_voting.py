@@ -42,6 +42,9 @@ def _prompts(lens=(70, 45), seed=0):
 def _recording(cls):
     @dataclasses.dataclass(frozen=True)
     class Rec(cls):
+        if hasattr(cls, "layerwise"):  # the online variant: its vote passes through on_prompt (the
+            layerwise: bool = False   # layer-by-layer cut keeps the same: tests/test_long_context.py)
+
         def on_block(self, cache, ctx):
             res = super().on_block(cache, ctx)
             if ctx.first:
