@@ -13,6 +13,7 @@ from maskahead_jax.config import GenerationConfig
 from maskahead_jax.kernels import masks, reference
 from maskahead_jax.model import forward_logits
 from maskahead_jax.policies import make
+from experiments.check_long_programs import long_intermediates as _big_shapes, trace_core
 from tiny import BIDIRECTIONAL, tiny_model
 
 
@@ -99,22 +100,6 @@ def test_bidirectional_generate_chunked_gives_the_same_tokens(family, policy):
     assert got.tokens == want.tokens
 
 
-def _big_shapes(jaxpr, t):
-    """Every intermediate of a (nested) jaxpr with two axes of length >= t."""
-    found = []
-    for eqn in jaxpr.eqns:
-        for v in eqn.outvars:
-            shape = getattr(v.aval, "shape", ())
-            if sum(n >= t for n in shape) >= 2:
-                found.append((eqn.primitive.name, shape))
-        for p in eqn.params.values():
-            for sub in (p if isinstance(p, (list, tuple)) else [p]):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    found += _big_shapes(inner, t)
-    return found
-
-
 @pytest.mark.parametrize("family", ["sdar", "llada"])
 def test_no_t_by_t_array_in_a_long_forward(family):
     m = tiny_model(family)
@@ -151,20 +136,13 @@ def test_maskkv_layer_by_layer_equals_online(name, kw):
 def test_no_t_by_t_array_in_a_long_generate(family, policy):
     """The whole generate program at a 4096-token prompt (traced, not run) holds no
     intermediate with two axes of the prompt's length: prefill, refresh, votes, statistics."""
-    import importlib
-
     from maskahead_jax.policies import Dense
 
-    eng = importlib.import_module("maskahead_jax.engine.generate")
     m = tiny_model(family, max_position_embeddings=8192, head_dim=32)  # packed caches: 32-wide groups
     t = 4096
     gen = GenerationConfig(max_new_tokens=32, block_size=32, prefill_chunk=512).resolve(m.config)
     pol = make(policy, 10) if policy else Dense()
-    arr = jnp.zeros((1, t), jnp.int32)
-    fn = eng._core_fn(m.config, False)
-    jaxpr = jax.make_jaxpr(lambda p, a, n, k: fn(p, a, n, k, cfg=m.config, gen=gen, policy=pol,
-                                                 cache_dtype=jnp.float32))(
-        m.params, arr, jnp.asarray([t - 3], jnp.int32), jax.random.PRNGKey(0))
+    jaxpr = trace_core(m, pol, t, gen)
     assert _big_shapes(jaxpr.jaxpr, t) == []
 
 
