@@ -144,7 +144,15 @@ def resolve_model_path(name: str, quiet: bool = False) -> str:
         return name
     if not is_hub_id(name):
         raise FileNotFoundError(f"no such checkpoint folder: {name}")
-    return hub_snapshot(name, quiet=quiet)
+    try:
+        return hub_snapshot(name, quiet=quiet)
+    except HubError as e:  # say the local folder is missing too: "org/name" may be a typo'd path
+        msg = str(e)
+        if "no local folder" in msg:
+            raise
+        org, rest = name.split("/", 1)
+        where = f": {org} exists but holds no {rest}" if os.path.isdir(org) else ""
+        raise HubError(f"{msg} (no local folder {name} either{where})") from None
 
 
 def _np_dtype(dtype) -> Optional[np.dtype]:
@@ -355,6 +363,16 @@ def load_model(path: str, dtype=None, progress: bool = False, mesh=None,
     return Model(cfg, load_hf_params(path, cfg, dtype=dtype, progress=progress, shardings=shardings))
 
 
+def written_by_convert(path: str) -> bool:
+    """Whether folder `path` holds the marker `convert` writes (maskahead.json of FORMAT)."""
+    try:
+        with open(os.path.join(path, MARKER), encoding="utf-8") as f:
+            info = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(info, dict) and info.get("format") == FORMAT
+
+
 def _check_paths(src: str, dst: str) -> None:
     """Refuse a destination that is the source, lies inside it, or holds it."""
     s, d = os.path.realpath(src), os.path.realpath(dst)
@@ -395,8 +413,13 @@ def convert(src: str, dst: str, dtype=None, progress: bool = True, overwrite: bo
     """
     src = resolve_model_path(src)
     _check_paths(src, dst)
-    if os.path.isdir(dst) and os.listdir(dst) and not overwrite:
-        raise CheckpointError(f"destination {dst} exists and is not empty (use overwrite / --force)")
+    if os.path.isdir(dst) and os.listdir(dst):
+        if not overwrite:
+            raise CheckpointError(f"destination {dst} exists and is not empty (use overwrite / --force)")
+        if not written_by_convert(dst):  # --force replaces only what convert wrote
+            raise CheckpointError(f"destination {dst} is not a folder `maskahead convert` wrote (no {MARKER} "
+                                  f"of format {FORMAT}): --force replaces only such a folder or an empty "
+                                  f"one; choose another destination")
     model = load_model(src, dtype=dtype, progress=progress, family=family)
     parent, name = os.path.split(os.path.abspath(dst))
     os.makedirs(parent, exist_ok=True)
@@ -425,20 +448,27 @@ def convert(src: str, dst: str, dtype=None, progress: bool = True, overwrite: bo
 def cli_convert(argv: Optional[Sequence[str]] = None) -> int:
     """`maskahead convert SRC DST [--dtype bfloat16] [--force]`; returns the exit status."""
     ap = argparse.ArgumentParser(prog="maskahead convert",
-                                 description="Convert an HF checkpoint folder to a maskahead orbax folder.")
+                                 description="Convert an HF checkpoint folder to a maskahead orbax folder.",
+                                 epilog="exit status: 0 converted; 1 an I/O error while writing (DST is left as it "
+                                        "was); 2 bad input (options, SRC, DST), one line on stderr; 130 interrupted")
     ap.add_argument("src", help="HF folder (config.json + *.safetensors or pytorch_model*.bin), or a Hugging "
                                 "Face hub id (org/name, through the HF cache)")
     ap.add_argument("dst", help="output folder")
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                     help="parameter dtype (default: the checkpoint's)")
-    ap.add_argument("--force", action="store_true", help="replace a non-empty DST (only once SRC has converted)")
+    ap.add_argument("--force", action="store_true",
+                    help="replace a non-empty DST that `maskahead convert` wrote (it holds maskahead.json); "
+                         "only once SRC has converted. Any other non-empty folder is refused")
     ap.add_argument("--family", default=None, choices=sorted(FAMILY_DEFAULTS),
                     help="force the model family (default: from config.json; a plain autoregressive "
                          "qwen2 / qwen3 config is refused without it)")
     args = ap.parse_args(argv)
     try:
         out = convert(args.src, args.dst, dtype=args.dtype, overwrite=args.force, family=args.family)
-    except (CheckpointError, FileNotFoundError) as e:
+    except (CheckpointError, FileNotFoundError, ValueError) as e:  # ConfigError too: bad input, exit 2
+        print(f"maskahead convert: error: {(str(e).strip().splitlines() or [type(e).__name__])[0]}", file=sys.stderr)
+        return 2
+    except OSError as e:  # e.g. a full disk while writing: DST is left as it was
         print(f"maskahead convert: error: {e}", file=sys.stderr)
         return 1
     print(f"converted {args.src} -> {out}")

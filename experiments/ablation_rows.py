@@ -99,6 +99,7 @@ def main(argv=None) -> int:
         for run in summarize(rows)["runs"]:  # the eval's own summary: scores, reductions
             scores = scores_of(rows, run["policy"], run["capacity"])
             out.append(dict(run=folder, policy=run["policy"], capacity=run["capacity"], n=run["n"],
+                            floor_over_budget=run.get("floor_over_budget", 0),
                             mean=run["score"], tasks=run["per_dataset"], red_end=run["reduction_final_mean"],
                             red_peak=run["reduction_peak_mean"],
                             tests={n: paired_sign_test(scores, ref) for n, ref in refs.items()},
@@ -113,11 +114,16 @@ def main(argv=None) -> int:
         tasks = " | ".join(f"{v:.1f}" for v in s["tasks"].values())
         tests = " | ".join([f"+{t['wins']}/-{t['losses']} (p = {t['p']:.2g})" for t in s["tests"].values()]
                            + [f"{g['gap']:+.1f} [{g['lo']:+.1f}, {g['hi']:+.1f}]" for g in s["gaps"].values()])
-        print(f"| {s['policy']} | {s['capacity']} | {s['mean']:.1f} | {tasks} | {s['red_end']:.2f}x | "
+        star = "*" if s["floor_over_budget"] else ""  # a floor, not the budget, set what was kept
+        print(f"| {s['policy']} | {s['capacity']}{star} | {s['mean']:.1f} | {tasks} | {s['red_end']:.2f}x | "
               f"{s['red_peak']:.2f}x | {tests} |  n={s['n']} {s['run']}")
         for n, per in s["by_task"].items():
             print(f"    vs {n} by task: " + ", ".join(f"{t} +{r['wins']}/-{r['losses']} (p = {r['p']:.2g})"
                                                  for t, r in per.items()))
+    if any(s["floor_over_budget"] for s in out):
+        print("capacity*: a policy floor, not the budget, set what was kept (floor > budget) in "
+              + ", ".join(f"{s['policy']}@{s['capacity']} {s['floor_over_budget']}/{s['n']}"
+                          for s in out if s["floor_over_budget"]), file=sys.stderr)
     if out:
         print("tasks:", ", ".join(out[0]["tasks"]), "| tests:", ", ".join(refs),
               "| gaps to:", ", ".join(a.gap) or "-", file=sys.stderr)

@@ -5,6 +5,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import numerics
 from .model import forward_logits
@@ -51,7 +52,18 @@ _forward_jit = numerics.jit(forward_logits, static_argnames=("cfg", "attention")
 
 
 def forward(model: Model, tokens, attention: Optional[str] = None) -> jax.Array:
-    """One full uncached forward; float32 logits [B, T, V] (no logit shift applied)."""
+    """One full uncached forward; float32 logits [B, T, V] (no logit shift applied).
+    tokens: [T] or [B, T] integer token ids in [0, vocab_size) (as `generate` checks them)."""
+    if not isinstance(tokens, jax.core.Tracer):  # host values: checked as generate checks them
+        arr = np.asarray(tokens)
+        if arr.dtype == object or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):
+            raise TypeError(f"tokens must be integer token ids ([T] or [B, T]), got {arr.dtype} values")
+        if arr.ndim not in (1, 2) or arr.size == 0:
+            raise ValueError(f"tokens must be a non-empty [T] or [B, T] array of token ids, got shape {arr.shape}")
+        v = model.config.vocab_size
+        bad = arr[(arr < 0) | (arr >= v)]
+        if bad.size:
+            raise ValueError(f"tokens has ids outside [0, {v}): {bad[:5].tolist()}")
     tokens = jnp.asarray(tokens, jnp.int32)
     if tokens.ndim == 1:
         tokens = tokens[None]

@@ -461,19 +461,22 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="testbed needle prompts: dense vs MaskAhead side by side")
     d.add_argument("--tasks", default="passkey,multikey",
                    help="testbed tasks to draw the prompts from (one per depth each), comma-separated")
-    d.add_argument("--length", type=_pos_int, default=512)
+    d.add_argument("--length", type=_pos_int, default=2048,
+                   help="prompt length in tokens (default 2048: long enough that the testbed floors stay below "
+                        "the 10%% budget)")
     d.add_argument("--depths", default="0.25,0.75", help="needle depths, fractions in [0, 1]")
     d.add_argument("--capacity", type=_capacity, default=10.0)
     d.add_argument("--policy", default="maskahead",
                    help=f"the policies to compare with dense, comma-separated, from: {known}")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--policy-kw", default=None,
-                   help=POLICY_KW_HELP + f". Default: {DEMO_KW} where a policy has the knob (the paper's "
-                        "floors, 512 / 256, exceed the testbed's short prompts)")
+                   help=POLICY_KW_HELP + f". Default: {DEMO_KW} where a policy has the knob (the testbed "
+                        "preset's floors, as `maskahead eval --preset testbed`: the paper's 512 / 256 exceed 10%% of "
+                        "the testbed's prompts; and an eviction at every block, so the end shows the budget)")
     return ap
 
 
-DEMO_KW = "capacity_floor=128,topk_floor=32"
+DEMO_KW = "capacity_floor=64,topk_floor=32,recent=32,interval_blocks=1"  # evaluation.presets' testbed floors
 
 
 # ----------------------------------------------------------------------------- commands
@@ -502,6 +505,9 @@ def cmd_generate(args) -> int:
     _, built = _policies(cfg, gen, [args.policy], [cap], kw, args.max_new_tokens, args.preset)
     (policy,) = built.values()
     tok = load_tokenizer(path)
+    if args.chat and not tok.has_chat_template:
+        raise CLIError(f"--chat: the tokenizer of {path} has no chat template (drop --chat to encode the "
+                       f"prompt as it is)")
     if ids is None:
         ids = tok.encode_prompt(args.prompt, chat=args.chat)
     model, path = _load(path, args.dtype, args.family, args)
@@ -522,6 +528,15 @@ def _rows_saved(out_dir: str) -> int:
         return len(load_rows(os.path.join(out_dir, "results.jsonl"), repair=False))
     except (OSError, ValueError):
         return 0
+
+
+def _interrupted_message(args) -> str:
+    """The line Ctrl-C prints (interrupt.py): an eval says how many rows are saved."""
+    out = getattr(args, "out", None)
+    if args.cmd == "eval" and out and os.path.exists(os.path.join(out, "results.jsonl")):
+        return (f"maskahead eval: interrupted; {_rows_saved(out)} rows saved in "
+                f"{os.path.join(out, 'results.jsonl')}, rerun the same command to resume")
+    return f"maskahead {args.cmd}: interrupted"
 
 
 def cmd_eval(args) -> int:
@@ -587,6 +602,7 @@ def cmd_eval(args) -> int:
         dataset["ruler"] = ruler
     if not exs:
         raise CLIError("no examples: the data files given hold none (or --longbench-datasets kept none)")
+    _check_positions(exs, cfg, gen, args.max_new_tokens)
 
     model, path = _load(path, args.dtype, args.family, args)
     print(f"[eval] {len(exs)} examples x {len(policies)} policies x {len(caps)} capacities -> {args.out}",
@@ -605,6 +621,20 @@ def cmd_eval(args) -> int:
               f"same command to resume", file=sys.stderr)
         return EXIT_INTERRUPTED
     return _report_eval(res)
+
+
+def _check_positions(exs, cfg, gen, max_new: Optional[int]) -> None:
+    """Every example's prompt + new tokens + one block within the model's positions (generate's
+    own check), up front: the suite / needle lengths, math and LongBench prompts."""
+    bs = gen.block_size or cfg.block_size
+    over = [e for e in exs if len(e.ids) + (max_new or e.max_new_tokens) + bs > cfg.max_position_embeddings]
+    if over:
+        e = max(over, key=lambda x: len(x.ids) + (max_new or x.max_new_tokens))
+        lengths = sorted({x.meta["length"] for x in over if x.kind == "testbed"})  # suite / needle lengths
+        what = f"--lengths {','.join(map(str, lengths))}: " if lengths else ""
+        raise CLIError(f"{what}{len(over)} example{'s' if len(over) > 1 else ''} beyond the model's "
+                       f"{cfg.max_position_embeddings} positions (e.g. {e.id}: {len(e.ids)} prompt tokens + "
+                       f"{max_new or e.max_new_tokens} new + a block of {bs})")
 
 
 def _ruler_setup(args, cfg) -> dict:
@@ -814,6 +844,10 @@ def cmd_demo(args) -> int:
         print(f" {name:<{w}} correct {n_ok}/{len(exs)}  KV reduction end {min(st['reduction_final']):.2f}x "
               f"peak {min(st['reduction_peak']):.2f}x  forwards {st['nfe_batch']}  "
               f"{st['wall_s'] * 1e3:.0f} ms (after compile)")
+    print("\n KV reduction: a bf16 cache of every token seen / the bytes the policy holds (its eviction "
+          "state included),\n the least over the prompts; end: after the answer, peak: the most held at "
+          "any time. MaskAhead\n evicts once the whole prompt is in, so its peak is the prompt "
+          "(maskahead-bounded bounds the prefill too).")
     print(f"\n total {time.perf_counter() - t_start:.1f}s")
     return EXIT_OK
 
@@ -873,7 +907,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     fn = dict(generate=cmd_generate, eval=cmd_eval, profile=cmd_profile, demo=cmd_demo)[args.cmd]
     try:
-        return fn(args)
+        if debug:  # Ctrl-C raises KeyboardInterrupt, for its traceback
+            return fn(args)
+        from . import interrupt
+
+        # Ctrl-C: exit 130 at once once the files are flushed, never unwinding through XLA
+        with interrupt.handle_sigint(lambda: _interrupted_message(args)):
+            return fn(args)
     except KeyboardInterrupt:
         if debug:
             raise

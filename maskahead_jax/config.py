@@ -10,7 +10,11 @@ Reading a Hugging Face `config.json` into a ModelConfig is the converters' job
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from typing import NamedTuple, Optional
+
+import numpy as np
 
 
 class FamilyDefaults(NamedTuple):
@@ -101,6 +105,8 @@ class ModelConfig:
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ConfigError(f"mask_token_id={self.mask_token_id} is not a token of the vocabulary "
                               f"[0, vocab_size={self.vocab_size})")
+        for name in ("block_size", "threshold", "commit_rule"):  # the decoding defaults: GenerationConfig's check
+            check_generation_field(name, getattr(self, name), "model config", optional=False)
 
     @property
     def rope_dim(self) -> int:
@@ -124,6 +130,53 @@ class ModelConfig:
 
 
 COMMIT_RULES = ("fast_dllm", "dynamic", "dream_reasoner", "llada")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(float(v))
+
+
+# the one check of every decoding setting, whatever the entry: GenerationConfig (Python, the CLI's
+# flags, presets) and a model's config.json defaults (ModelConfig's block_size / threshold /
+# commit_rule). Each: (accepts the value, what is expected); None is "the model's default".
+_GEN_FIELDS = {
+    "max_new_tokens": (lambda v: _is_int(v) and v > 0, "a positive integer"),
+    "block_size": (lambda v: _is_int(v) and v > 0, "a positive integer"),
+    "commit_rule": (lambda v: v in COMMIT_RULES, f"one of {', '.join(COMMIT_RULES)}"),
+    "threshold": (lambda v: _is_real(v) and 0.0 < float(v) <= 1.0, "a commit threshold in (0, 1]"),
+    "sub_block_size": (lambda v: _is_int(v) and v > 0, "a positive integer"),
+    "steps_per_block": (lambda v: _is_int(v) and v > 0, "a positive integer"),
+    "prefill_chunk": (lambda v: _is_int(v) and v > 0, "a positive integer"),
+    "max_prompt_len": (lambda v: _is_int(v) and v > 0, "a positive integer"),
+    "prompt_refresh": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+    "temperature": (lambda v: _is_real(v) and float(v) >= 0.0, "a finite number >= 0"),
+    "top_p": (lambda v: _is_real(v) and 0.0 < float(v) <= 1.0, "a number in (0, 1]"),
+    "seed": (_is_int, "an integer"),
+    "stop_at_eos": (lambda v: isinstance(v, (bool, np.bool_)), "True or False"),
+    "timings": (lambda v: isinstance(v, (bool, np.bool_)), "True or False"),
+    "attention": (lambda v: isinstance(v, str) and v != "", "an attention implementation name"),
+    "attention_interpret": (lambda v: isinstance(v, (bool, np.bool_)), "True or False"),
+}
+_GEN_OPTIONAL = {"block_size", "commit_rule", "threshold", "sub_block_size", "steps_per_block", "max_prompt_len"}
+
+
+def check_generation_field(name: str, value, where: str = "GenerationConfig", optional: bool = True) -> None:
+    """ConfigError (a ValueError) naming `where`, the field and the value unless `value` is a
+    valid `name` of a GenerationConfig (None: the model's default, where the field has one and
+    `optional`)."""
+    if value is None and optional and name in _GEN_OPTIONAL:
+        return
+    ok, expected = _GEN_FIELDS[name]
+    try:
+        good = bool(ok(value))
+    except (TypeError, ValueError):
+        good = False
+    if not good:
+        raise ConfigError(f"{where}: {name} must be {expected}, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,6 +213,13 @@ class GenerationConfig:
     timings: bool = False
     attention: str = "auto"
     attention_interpret: bool = False
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            check_generation_field(f.name, getattr(self, f.name))
+        if self.block_size is not None and self.prefill_chunk % self.block_size:
+            raise ConfigError(f"GenerationConfig: prefill_chunk {self.prefill_chunk} must be a positive "
+                              f"multiple of block_size {self.block_size}")
 
     def resolve(self, cfg: ModelConfig) -> "ResolvedGeneration":
         bs = self.block_size or cfg.block_size

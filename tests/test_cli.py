@@ -25,7 +25,7 @@ def test_parser_subcommands():
 
 
 def test_convert_delegates(tmp_path, capsys):
-    assert cli.main(["convert", str(tmp_path / "missing"), str(tmp_path / "out")]) == 1
+    assert cli.main(["convert", str(tmp_path / "missing"), str(tmp_path / "out")]) == 2
     assert "maskahead convert: error" in capsys.readouterr().err
 
 

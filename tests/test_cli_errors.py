@@ -356,3 +356,90 @@ def test_profile_is_a_library_module():
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
         "maskahead profile: error: unknown model shape 'gpt-5'; choose one of "
         "['fast-dllm-v2-7b', 'llada2-mini', 'sdar-8b']")
+
+
+# ----------------------------------------------------------------------------- issue 50: misc inputs
+def test_too_short_suite_lengths_are_refused_with_the_minimum(tmp_path, capsys, no_load):
+    """`--lengths 16` built 26-token prompts labelled 16: a length below what a task's needles and
+    question take is refused, naming the shortest that fits (and that length then runs)."""
+    out = str(tmp_path / "ev")
+    assert cli.main(["eval", "--suite", "--tasks", "passkey", "--lengths", "16", "--out", out]) == 2
+    err = _err(capsys)
+    assert err.startswith("maskahead eval: error: length 16 too short for the passkey task: the needles and "
+                          "question alone take up to ")
+    need = int(err.rsplit("at least ", 1)[1])
+    from maskahead_jax.evaluation.datasets import testbed_suite
+
+    exs = testbed_suite(["passkey"], [need], [0, 0.25, 0.5, 0.75, 1], n_per_cell=2)
+    assert all(e.meta["n_tokens"] <= e.meta["length"] == need for e in exs)
+    assert cli.main(["eval", "--needle", "--lengths", "8", "--out", out]) == 2
+    assert "length 8 too short for the passkey task" in _err(capsys)
+    assert not os.path.exists(out)
+
+
+def test_lengths_past_the_model_positions_are_refused_up_front(tmp_path, capsys, no_load):
+    """Suite / needle lengths beyond the model's positions (8192 on the testbed) fail before the
+    load, as RULER's do, not at run time."""
+    out = str(tmp_path / "ev")
+    assert cli.main(["eval", "--suite", "--tasks", "passkey", "--lengths", "1024,8192", "--depths", "0",
+                     "--n", "1", "--out", out]) == 2
+    err = _err(capsys)
+    assert err.startswith("maskahead eval: error: --lengths 8192: 1 example beyond the model's 8192 positions")
+    assert not os.path.exists(out)
+
+
+def test_chat_without_a_chat_template_is_refused(capsys, no_load):
+    assert cli.main(["generate", "--prompt", "what is the pass key ?", "--chat"]) == 2
+    assert _err(capsys) == (f"maskahead generate: error: --chat: the tokenizer of {cli.TESTBED} has no chat "
+                            f"template (drop --chat to encode the prompt as it is)")
+
+
+@pytest.mark.parametrize("template, msg", [
+    ("{% if %}", "has a syntax error (line 1): "),
+    ('{{ raise_exception("a system message is required") }}', "failed: a system message is required"),
+    ("{{ ''.__class__.__mro__ }}", "does something the sandbox forbids: access to attribute '__class__'"),
+])
+def test_chat_template_errors_are_one_line(tmp_path, capsys, no_load, template, msg):
+    m = _model_copy(tmp_path, "chat")
+    (m / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                         "chat_template": template}))
+    assert cli.main(["generate", "--model", str(m), "--prompt", "hello", "--chat"]) == 2
+    err = [x for x in capsys.readouterr().err.splitlines()  # transformers without torch says so on import
+           if x.strip() and not x.startswith("[transformers] PyTorch was not found")]
+    assert len(err) == 1 and err[0].startswith(f"maskahead generate: error: the chat template of {m} {msg}"), err
+
+
+def test_truncated_tokenizer_json_is_one_line(tmp_path, capsys, no_load):
+    m = _model_copy(tmp_path, "trunc")
+    data = open(m / "tokenizer.json", "rb").read()
+    os.unlink(m / "tokenizer.json")
+    (m / "tokenizer.json").write_bytes(data[: len(data) // 2])
+    assert cli.main(["generate", "--model", str(m), "--prompt", "hello"]) == 2
+    err = _err(capsys)
+    assert err.startswith(f"maskahead generate: error: cannot read the tokenizer {m / 'tokenizer.json'}: ")
+    assert err.endswith("(a truncated or corrupt tokenizer.json?)")
+
+
+def test_missing_local_path_that_looks_like_a_hub_id_says_so(tmp_path, capsys, monkeypatch, no_load):
+    """`--model runs/modle` (a typo'd local path of the hub-id form): the error says the local
+    folder is missing (and which part exists), not only that the hub has no such model."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    assert cli.main(["generate", "--model", "runs/modle", "--ids", "5,6"]) == 2
+    err = _err(capsys)
+    assert err.startswith("maskahead generate: error: model 'runs/modle' is not in the Hugging Face cache")
+    assert err.endswith("(no local folder runs/modle either: runs exists but holds no modle)")
+    assert cli.main(["generate", "--model", "nosuch/model", "--ids", "5,6"]) == 2
+    assert _err(capsys).endswith("(no local folder nosuch/model either)")
+
+
+def test_convert_bad_input_exits_2_as_its_help_says(tmp_path, capsys):
+    from converters.load import cli_convert
+
+    with pytest.raises(SystemExit):
+        cli_convert(["-h"])
+    assert "2 bad input" in capsys.readouterr().out
+    assert cli.main(["convert", str(tmp_path / "missing"), str(tmp_path / "out")]) == 2
+    assert _err(capsys) == f"maskahead convert: error: no such checkpoint folder: {tmp_path / 'missing'}"

@@ -190,7 +190,7 @@ def test_orbax_round_trip_via_convert_cli(tmp_path, capsys):
     f32 = mj.load_pretrained(dst, dtype="float32")
     assert {str(l.dtype) for l in jax.tree_util.tree_leaves(f32.params)} == {"float32"}
     # an existing destination is refused unless --force
-    assert cli_convert([case.path, dst]) == 1
+    assert cli_convert([case.path, dst]) == 2
     assert "not empty" in capsys.readouterr().err
     assert cli_convert([case.path, dst, "--force"]) == 0
     assert mj.load_pretrained(dst).params["embed"].dtype == np.float32
@@ -282,7 +282,7 @@ def test_missing_config_and_weights(tmp_path, good):
 
 def test_cli_reports_errors(tmp_path, good, capsys):
     path = _write(tmp_path, good, drop=["model.norm.weight"])
-    assert cli_convert([path, str(tmp_path / "out")]) == 1
+    assert cli_convert([path, str(tmp_path / "out")]) == 2
     assert "missing key" in capsys.readouterr().err and not os.path.exists(tmp_path / "out")
 
 
@@ -310,6 +310,8 @@ def test_convert_force_with_bad_source_keeps_destination(tmp_path, good, bad, ca
     dst = tmp_path / "dst"
     dst.mkdir()
     (dst / "notes.txt").write_text("precious")
+    marker = json.dumps({"format": "maskahead-orbax"})  # a folder convert wrote: --force may replace it
+    (dst / "maskahead.json").write_text(marker)
     src = str(tmp_path / "nowhere")
     if bad == "corrupt":
         src = _write(tmp_path, good)
@@ -317,9 +319,9 @@ def test_convert_force_with_bad_source_keeps_destination(tmp_path, good, bad, ca
         data = open(f, "rb").read()
         open(f, "wb").write(data[: len(data) // 2])
     before = _tree(src) if bad == "corrupt" else None
-    assert cli_convert([src, str(dst), "--force"]) == 1
+    assert cli_convert([src, str(dst), "--force"]) == 2
     assert "maskahead convert: error" in capsys.readouterr().err
-    assert _tree(dst) == {"notes.txt": b"precious"}
+    assert _tree(dst) == {"notes.txt": b"precious", "maskahead.json": marker.encode()}
     if before is not None:
         assert _tree(src) == before
     assert _stray(tmp_path) == []
@@ -333,6 +335,7 @@ def test_convert_failed_write_keeps_destination(tmp_path, good, monkeypatch):
     dst = tmp_path / "dst"
     dst.mkdir()
     (dst / "notes.txt").write_text("precious")
+    (dst / "maskahead.json").write_text('{"format": "maskahead-orbax"}')  # convert's marker: --force may replace
 
     def broken_save(params, path):
         os.makedirs(path)
@@ -341,7 +344,8 @@ def test_convert_failed_write_keeps_destination(tmp_path, good, monkeypatch):
     monkeypatch.setattr(L, "save_orbax", broken_save)
     with pytest.raises(OSError, match="disk full"):
         L.convert(src, str(dst), overwrite=True, progress=False)
-    assert _tree(dst) == {"notes.txt": b"precious"} and _stray(tmp_path) == []
+    assert _tree(dst) == {"notes.txt": b"precious", "maskahead.json": b'{"format": "maskahead-orbax"}'}
+    assert _stray(tmp_path) == []
 
 
 def test_convert_refuses_source_as_destination(tmp_path, good, capsys):
@@ -349,7 +353,7 @@ def test_convert_refuses_source_as_destination(tmp_path, good, capsys):
     before = _tree(src)
     os.symlink(src, tmp_path / "alias")
     for dst in (src, src + "/", str(tmp_path / "alias")):
-        assert cli_convert([src, dst, "--force"]) == 1
+        assert cli_convert([src, dst, "--force"]) == 2
         err = capsys.readouterr().err
         assert "is the source folder" in err and len(err.strip().splitlines()) == 1
     assert _tree(src) == before
@@ -359,19 +363,43 @@ def test_convert_refuses_source_as_destination(tmp_path, good, capsys):
 def test_convert_refuses_nested_folders(tmp_path, good, capsys):
     src = _write(tmp_path, good)
     before = _tree(src)
-    assert cli_convert([src, os.path.join(src, "out"), "--force"]) == 1
+    assert cli_convert([src, os.path.join(src, "out"), "--force"]) == 2
     assert "lies inside the source folder" in capsys.readouterr().err
     assert not os.path.exists(os.path.join(src, "out"))
-    assert cli_convert([src, str(tmp_path), "--force"]) == 1  # deleting DST would delete SRC
+    assert cli_convert([src, str(tmp_path), "--force"]) == 2  # deleting DST would delete SRC
     assert "lies inside the destination folder" in capsys.readouterr().err
     assert _tree(src) == before
+
+
+def test_convert_force_refuses_a_folder_convert_did_not_write(tmp_path, good, capsys):
+    """Issue 50: --force replaces only an empty folder or one `convert` wrote (maskahead.json of
+    its format); a folder of user files (or a foreign maskahead.json) is refused, one line, exit
+    2, untouched."""
+    src = _write(tmp_path, good)
+    dst = tmp_path / "thesis"
+    (dst / "sub").mkdir(parents=True)
+    (dst / "thesis.txt").write_text("chapter 1")
+    (dst / "sub" / "data.csv").write_text("a,b\n1,2\n")
+    before = _tree(dst)
+    for marker in (None, json.dumps({"format": "something-else"}), "{not json"):
+        if marker is not None:
+            (dst / "maskahead.json").write_text(marker)
+            before = _tree(dst)
+        assert cli_convert([src, str(dst), "--force"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"maskahead convert: error: destination {dst} is not a folder "
+                                                   "`maskahead convert` wrote")
+        assert _tree(dst) == before and _stray(tmp_path) == []
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert cli_convert([src, str(empty), "--force"]) == 0 and is_converted(str(empty))
 
 
 def test_convert_force_replaces_destination_atomically(tmp_path, good):
     src = _write(tmp_path, good)
     dst = tmp_path / "dst"
-    dst.mkdir()
-    (dst / "stale.txt").write_text("old")
+    assert cli_convert([src, str(dst)]) == 0  # a folder convert wrote (maskahead.json) ...
+    (dst / "stale.txt").write_text("old")  # ... with a file added since
     assert cli_convert([src, str(dst), "--force"]) == 0
     assert is_converted(str(dst)) and not (dst / "stale.txt").exists()
     assert _stray(tmp_path) == []
@@ -472,7 +500,7 @@ def test_plain_qwen2_folder_refused_then_forced(tmp_path, capsys):
     assert cli.main(["generate", "--model", path, "--ids", "5,6"]) == 2
     assert "--family fast_dllm_v2" in capsys.readouterr().err
     dst = str(tmp_path / "converted")
-    assert cli_convert([path, dst]) == 1
+    assert cli_convert([path, dst]) == 2
     assert "--family fast_dllm_v2" in capsys.readouterr().err
     assert cli_convert([path, dst, "--family", "fast_dllm_v2"]) == 0
     for m in (mj.load_pretrained(path, family="fast_dllm_v2"), mj.load_pretrained(dst)):  # dst: maskahead.json

@@ -155,7 +155,7 @@ def test_not_cached_and_offline_is_one_line(hub_env, tmp_path, capsys):
         assert cli.main(cmd) == 2
         assert _one_line(capsys) == f"maskahead {cmd[0]}: error: {msg}"
     assert not os.path.exists(tmp_path / "ev")
-    assert cli.main(["convert", repo, str(tmp_path / "dst")]) == 1
+    assert cli.main(["convert", repo, str(tmp_path / "dst")]) == 2
     assert _one_line(capsys) == f"maskahead convert: error: {msg}"
     # not a hub id and not a folder: the plain error
     assert cli.main(["generate", "--ids", "5,6", "--model", str(tmp_path / "nope")]) == 2

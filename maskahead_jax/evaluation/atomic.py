@@ -10,6 +10,8 @@ import os
 import tempfile
 from typing import IO, Iterator
 
+from .. import interrupt
+
 _UMASK = None
 
 
@@ -41,19 +43,20 @@ def atomic_open(path: str, mode: str = "w", encoding: str | None = "utf-8") -> I
     if mode not in ("w", "wb"):
         raise ValueError(f"atomic_open writes whole files: mode 'w' or 'wb', got {mode!r}")
     folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, mode, encoding=None if "b" in mode else encoding) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the usual mode
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(folder)
+    with interrupt.critical():  # Ctrl-C (interrupt.py) waits for the file to be in place
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, mode, encoding=None if "b" in mode else encoding) as f:
+                yield f
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the usual mode
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        _fsync_dir(folder)
 
 
 def write_text(path: str, text: str) -> str:

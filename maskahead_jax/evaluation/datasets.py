@@ -116,10 +116,19 @@ class Tokenizer:
 
     def chat(self, text: str) -> str:
         """The user message wrapped by the chat template (with the generation prompt)."""
+        import jinja2
+
         messages = [{"role": "user", "content": text}]
-        if self.hf:
-            return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return _render_chat(self.chat_template, messages, **self.special_tokens)
+        try:
+            if self.hf:
+                return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return _render_chat(self.chat_template, messages, **self.special_tokens)
+        except (jinja2.TemplateError, ValueError, TypeError) as e:  # syntax, raise_exception, the sandbox
+            what = {"TemplateSyntaxError": "has a syntax error", "SecurityError": "does something the sandbox "
+                    "forbids"}.get(type(e).__name__, "failed")
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            line = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
+            raise ValueError(f"the chat template of {self.name or 'the tokenizer'} {what}{line}: {first}") from None
 
     def encode_prompt(self, text: str, chat: bool = True) -> list:
         if chat and self.has_chat_template:
@@ -159,11 +168,11 @@ def _tokenizers_fallback(model_dir: str, config: dict, why: str) -> Tokenizer:
         template = next((t.get("template") for t in template if t.get("name") == "default"), None)
     special = {k: v.get("content") if isinstance(v, dict) else v for k, v in config.items()
                if k in _SPECIAL_TOKENS}
+    tok = get_tokenizer(os.path.abspath(path))  # an unreadable tokenizer.json: its one-line error, no warning
     warnings.warn(f"{model_dir}: {why}; loaded tokenizer.json with the `tokenizers` library instead "
                   f"({'with' if template else 'without'} the chat template of tokenizer_config.json)",
                   stacklevel=3)
-    return Tokenizer(get_tokenizer(os.path.abspath(path)), name=path, chat_template=template,
-                     special_tokens=special)
+    return Tokenizer(tok, name=path, chat_template=template, special_tokens=special)
 
 
 def load_tokenizer(model_dir: Optional[str] = None) -> Tokenizer:
@@ -195,8 +204,14 @@ def load_tokenizer(model_dir: Optional[str] = None) -> Tokenizer:
                                             "tokenizer class (auto_map), whose code is not run")
             try:
                 from transformers import AutoTokenizer
+                from transformers.utils import logging as hf_logging
 
-                tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
+                was = hf_logging.get_verbosity()
+                hf_logging.set_verbosity_error()  # its notes on the model type are not ours to print
+                try:
+                    tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
+                finally:
+                    hf_logging.set_verbosity(was)
             except Exception as e:
                 first = (str(e).splitlines() or [""])[0]
                 return _tokenizers_fallback(model_dir, config,
@@ -228,15 +243,30 @@ def testbed_suite(tasks: Iterable[str] = ("passkey", "multikey", "twohop", "docq
     from .. import tasks as T
 
     tok = tokenizer or load_tokenizer()
-    out = []
+    raw = []
     for t in tasks:
         if t not in T.TASKS:
             raise ValueError(f"unknown testbed task {t!r}; choose from {T.TASKS}")
         for n in lengths:
             for d in depths:
                 for s in range(seed, seed + n_per_cell):
-                    out.append(_testbed_example(T.generate(t, int(n), float(d), s), tok, t, max_new_tokens))
-    return out
+                    raw.append(T.generate(t, int(n), float(d), s))
+    _refuse_short(raw)
+    return [_testbed_example(ex, tok, ex.task, max_new_tokens) for ex in raw]
+
+
+def _refuse_short(raw) -> None:
+    """ValueError when a requested length is below what a task's needles and question take alone
+    (the prompt would come out longer than its length label), naming the shortest that fits."""
+    short = [ex for ex in raw if ex.n_tokens > ex.context_length]
+    if short:
+        lengths = sorted({ex.context_length for ex in short})
+        tasks = list(dict.fromkeys(ex.task for ex in short))
+        need = max(ex.n_tokens for ex in short)
+        raise ValueError(f"length{'s' if len(lengths) > 1 else ''} {', '.join(map(str, lengths))} too short for "
+                         f"the {', '.join(tasks)} task{'s' if len(tasks) > 1 else ''}: the needles and question "
+                         f"alone take up to {need} tokens, so prompts would be longer than their length label; "
+                         f"use lengths of at least {need}")
 
 
 def needle_grid(lengths: Iterable[int] = (512, 1024, 2048), depths: Iterable[float] = (0.0, 0.25, 0.5, 0.75, 1.0),
@@ -250,8 +280,9 @@ def needle_grid(lengths: Iterable[int] = (512, 1024, 2048), depths: Iterable[flo
     if name is None:
         raise ValueError("needle grids use task 'passkey' (niah) or 'twohop' (niah_hard)")
     tok = tokenizer or load_tokenizer()
-    return [_testbed_example(T.generate(task, int(n), float(d), s), tok, name, max_new_tokens)
-            for n in lengths for d in depths for s in range(seed, seed + n_per_cell)]
+    raw = [T.generate(task, int(n), float(d), s) for n in lengths for d in depths for s in range(seed, seed + n_per_cell)]
+    _refuse_short(raw)
+    return [_testbed_example(ex, tok, name, max_new_tokens) for ex in raw]
 
 
 # ------------------------------------------------------------------------------ LongBench v1

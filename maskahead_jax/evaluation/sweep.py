@@ -25,8 +25,10 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from .. import interrupt
 from ..config import GenerationConfig
 from . import atomic
+from .outlock import out_lock
 from .datasets import LONGBENCH_PROMPTS, EvalExample, Tokenizer, score_example
 from .policies import (PolicyError, make_policy, policy_budgets, run_label, split_items, takes_budget,
                        validate_policy)
@@ -157,9 +159,12 @@ def _repr_items(r: str) -> dict:
     return out
 
 
-def check_resume(out_dir: str, rows: Sequence[dict], fp: dict, reprs: dict, digests: dict) -> None:
+def check_resume(out_dir: str, rows: Sequence[dict], fp: dict, reprs: dict, digests: dict,
+                 batch_size: Optional[int] = None) -> None:
     """Raise RunMismatch (nothing written) unless the rows and run.json in `out_dir` are of this run:
-    same fingerprint, same policy repr per (policy, capacity) label, same example digest per id.
+    same fingerprint, same policy repr per (policy, capacity) label, same example digest per id,
+    and the batch size run.json records (when it records one: a prompt's bf16 tokens may depend on
+    its batch, docs/evaluation.md "Batch invariance").
     reprs: {(policy, cap label): repr}; digests: {example id: digest}."""
     where = f"--out {out_dir}"
     rp = os.path.join(out_dir, "run.json")
@@ -174,6 +179,11 @@ def check_resume(out_dir: str, rows: Sequence[dict], fp: dict, reprs: dict, dige
             comps = ("model", "generation", "dataset")
             a, b = _fmt_diff(_flat({k: old.get(k) or {} for k in comps}), _flat({k: fp[k] for k in comps}))
             raise RunMismatch(f"{where} holds a run with {a}; this run has {b}: use another --out")
+        if batch_size and rows and old.get("batch_size") not in (None, int(batch_size)):
+            raise RunMismatch(f"{where} holds a run at --batch-size {old['batch_size']}; this run has "
+                              f"--batch-size {batch_size}, which can change bfloat16 results "
+                              f"(docs/evaluation.md, \"Batch invariance\"): resume with --batch-size "
+                              f"{old['batch_size']} or use another --out")
     if rows:
         legacy = sum(1 for r in rows if "run" not in r)
         if legacy:
@@ -197,25 +207,39 @@ def check_resume(out_dir: str, rows: Sequence[dict], fp: dict, reprs: dict, dige
                               f"length differ from this run's: use another --out")
 
 
-def write_run_json(out_dir: str, fp: dict, reprs: dict) -> str:
-    """Write (atomically) out_dir/run.json: the fingerprint, its components, and the policy reprs of
-    every (policy, capacity) run so far."""
+def write_run_json(out_dir: str, fp: dict, reprs: dict, batch_size: Optional[int] = None) -> str:
+    """Write (atomically) out_dir/run.json: the fingerprint, its components, the policy reprs of
+    every (policy, capacity) run so far and the batch size (outside the fingerprint: a resume
+    must keep it, `check_resume`)."""
     path = os.path.join(out_dir, "run.json")
     pols, created = {}, time.strftime("%Y-%m-%dT%H:%M:%S")
+    old = {}
     if os.path.exists(path):
         with open(path, encoding="utf-8") as f:
             old = json.load(f)
         pols, created = old.get("policies", {}), old.get("created", created)
     pols.update({f"{p}@{c}": r for (p, c), r in reprs.items()})
-    return atomic.write_json(path, dict(fp, policies=pols, created=created), indent=1)
+    extra = {"batch_size": int(batch_size)} if batch_size else (
+        {"batch_size": old["batch_size"]} if "batch_size" in old else {})
+    return atomic.write_json(path, dict(fp, policies=pols, created=created, **extra), indent=1)
+
+
+def rejected_path(path: str) -> str:
+    """Where `load_rows(repair=True)` moves the lines of `path` it cannot use:
+    results.jsonl -> results.rejected.jsonl."""
+    root, ext = os.path.splitext(path)
+    return f"{root}.rejected{ext or '.jsonl'}"
 
 
 def load_rows(path: str, repair: bool = True) -> list[dict]:
-    """Rows of a results file, first occurrence per key; malformed lines (a write cut by an
-    interruption) are skipped, and with `repair` the file is rewritten atomically without them."""
+    """Rows of a results file, first occurrence per key. Lines that are not a JSON row
+    (a write cut by a crash), rows without the keys (policy, id) and repeats of a key are
+    skipped; with `repair` they are appended, as they were, to `rejected_path(path)`
+    (results.rejected.jsonl), the file is rewritten atomically without them, and one line on
+    stderr says how many moved where. Nothing is dropped silently."""
     if not os.path.exists(path):
         return []
-    rows, seen, bad = [], set(), 0
+    rows, seen, bad = [], set(), {"malformed": [], "without the row keys": [], "duplicate": []}
     with open(path, encoding="utf-8") as f:
         lines = f.read().split("\n")
     for line in lines:
@@ -223,19 +247,36 @@ def load_rows(path: str, repair: bool = True) -> list[dict]:
             continue
         try:
             r = json.loads(line)
+        except json.JSONDecodeError:
+            bad["malformed"].append(line)
+            continue
+        try:
             k = row_key(r)
-        except (json.JSONDecodeError, KeyError, TypeError):
-            bad += 1
+            hash(k)
+        except (KeyError, TypeError, ValueError):
+            bad["without the row keys"].append(line)
             continue
         if k in seen:
-            bad += 1
+            bad["duplicate"].append(line)
             continue
         seen.add(k)
         rows.append(r)
-    if repair and (bad or (lines and lines[-1] != "")):
-        with atomic.atomic_open(path, "w") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+    moved = [x for v in bad.values() for x in v]
+    if repair and (moved or (lines and lines[-1] != "")):
+        side = rejected_path(path)
+        with interrupt.critical():
+            if moved:
+                with open(side, "a", encoding="utf-8") as f:
+                    f.write("\n".join(moved) + "\n")
+                    f.flush()
+                    os.fsync(f.fileno())
+            with atomic.atomic_open(path, "w") as f:
+                for r in rows:
+                    f.write(json.dumps(r) + "\n")
+        if moved:
+            what = ", ".join(f"{len(v)} {k}" for k, v in bad.items() if v)
+            print(f"[eval] {path}: moved {len(moved)} line{'' if len(moved) == 1 else 's'} it cannot use "
+                  f"({what}) to {side}", file=sys.stderr)
     return rows
 
 
@@ -329,15 +370,27 @@ def run_sweep(model, examples: Sequence[EvalExample], policies: Sequence[str],
         raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
     built = build_policies(model.config, gen, policies, capacities, policy_factory,
                            max_new_tokens or max(e.max_new_tokens for e in examples), order=order)
-    errors = []
     fp = run_fingerprint(model, gen, max_new_tokens, model_path=model_path, dataset=dataset)
     reprs = {(p, cap_label(c)): policy_repr(pol) for (p, c), pol in built.items()}
     digests = {e.id: example_digest(e) for e in examples}
     path = os.path.join(out_dir, "results.jsonl")
-    check_resume(out_dir, load_rows(path, repair=False), fp, reprs, digests)
+    check_resume(out_dir, load_rows(path, repair=False), fp, reprs, digests, batch_size=batch_size)
+    with out_lock(out_dir):  # one eval writes a folder at a time (outlock.py)
+        return _run_locked(model, examples, out_dir, tokenizer, path=path, built=built, fp=fp, reprs=reprs,
+                           digests=digests, ids=ids, gen=gen, batch_size=batch_size,
+                           max_new_tokens=max_new_tokens, progress=progress, strict=strict, plots=plots,
+                           meta=meta, bucket=bucket, pad_batches=pad_batches, mesh=mesh,
+                           score_datasets=score_datasets)
+
+
+def _run_locked(model, examples, out_dir, tokenizer, *, path, built, fp, reprs, digests, ids, gen, batch_size,
+                max_new_tokens, progress, strict, plots, meta, bucket, pad_batches, mesh,
+                score_datasets) -> SweepResult:
+    """`run_sweep` once its settings are checked and the output folder is locked."""
+    errors = []
     os.makedirs(out_dir, exist_ok=True)
     rows = load_rows(path)
-    write_run_json(out_dir, fp, reprs)
+    write_run_json(out_dir, fp, reprs, batch_size)
     done = {row_key(r) for r in rows}
     todo = {(p, c): [e for e in examples if (p, cap_label(c), e.id) not in done] for p, c in built}
     total = sum(len(v) for v in todo.values())
@@ -386,12 +439,13 @@ def run_sweep(model, examples: Sequence[EvalExample], policies: Sequence[str],
                         length=e.meta.get("length"), depth=e.meta.get("depth"),
                         batch_size=len(prompts), batch_wall_s=float(st["wall_s"]),
                         evictions=int(st.get("evictions", 0)), run=fp["fingerprint"], policy_repr=prep,
-                        example_digest=digests[e.id])
+                        example_digest=digests[e.id], budget_note=_budget_note(policy, e))
                     lines.append(json.dumps(row))
                     rows.append(row)
-                fout.write("\n".join(lines) + "\n")
-                fout.flush()
-                os.fsync(fout.fileno())
+                with interrupt.critical():  # Ctrl-C (interrupt.py) waits for the batch's rows
+                    fout.write("\n".join(lines) + "\n")
+                    fout.flush()
+                    os.fsync(fout.fileno())
                 if bar is not None:
                     bar.update(len(batch))
     if bar is not None:
@@ -410,6 +464,10 @@ def run_sweep(model, examples: Sequence[EvalExample], policies: Sequence[str],
         atomic.write_json(bpath, old, indent=1)
     keys = {(p, cap_label(c), e) for p, c in built for e in ids}  # rows checked against this run
     mine = [r for r in rows if row_key(r) in keys]
+    pols = {(p, cap_label(c)): pol for (p, c), pol in built.items()}
+    by_id = {e.id: e for e in examples}
+    mine = [r if "budget_note" in r else dict(r, budget_note=_budget_note(pols[row_key(r)[:2]], by_id[r["id"]]))
+            for r in mine]  # rows written before the field: the same note, from the policy
     summary = summarize(mine, score_datasets)
     summary["errors"] = errors
     summary["run"] = dict(fp, policies={f"{p}@{c}": r for (p, c), r in reprs.items()})
@@ -421,6 +479,13 @@ def run_sweep(model, examples: Sequence[EvalExample], policies: Sequence[str],
         from . import plots as P
         paths.update(P.make_plots(mine, summary, out_dir))
     return SweepResult(rows=mine, summary=summary, paths=paths, errors=errors)
+
+
+def _budget_note(policy, e: EvalExample) -> Optional[str]:
+    """The policy's note when a floor, not the requested budget, sets what it keeps of this
+    example's prompt (`budget_note`, the text of generate's BudgetWarning); else None."""
+    fn = getattr(policy, "budget_note", None)
+    return fn([len(e.ids)]) if fn is not None else None
 
 
 def build_policies(model_config, gen: GenerationConfig, policies: Sequence[str],
@@ -526,7 +591,10 @@ def summarize(rows: Sequence[dict], score_datasets: Optional[Sequence[str]] = No
             reduction_peak=sum(r["dense_bytes_peak"] for r in rs) / max(1.0, sum(r["kv_bytes_peak"] for r in rs)),
             reduction_final_mean=_mean([r["reduction_final"] for r in rs]),
             reduction_peak_mean=_mean([r["reduction_peak"] for r in rs]),
-            nfe=_mean([r["nfe"] for r in rs]))
+            nfe=_mean([r["nfe"] for r in rs]),
+            # examples where a policy floor, not the budget, set what was kept (BudgetWarning)
+            floor_over_budget=sum(1 for r in rs if r.get("budget_note")),
+            budget_note=next((r["budget_note"] for r in rs if r.get("budget_note")), None))
         if dense_key and (p, c) != dense_key:
             run["vs_dense"] = paired_sign_test(scores[(p, c)], scores[dense_key])
         ref = (REFERENCE, c)
@@ -546,13 +614,20 @@ def _fmt_test(t: Optional[dict]) -> str:
     return f"+{t['wins']}/-{t['losses']} (p={t['p']:.3g})"
 
 
+def cap_cell(run: dict) -> str:
+    """A summary run's capacity for a table: "full", "10", or "10*" when a policy floor, not the
+    budget, set what was kept in any of its examples (`floor_over_budget`)."""
+    c = "full" if run["capacity"] is None else f"{run['capacity']:g}"
+    return c + ("*" if run.get("floor_over_budget") else "")
+
+
 def to_markdown(summary: dict) -> str:
     ds = summary["datasets"]
     head = ["policy", "capacity %", "n", "score"] + ds + ["KV red. end", "KV red. peak", "NFE",
                                                          "vs dense (W/L, p)", "vs MaskAhead (W/L, p)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in summary["runs"]:
-        cells = [r["policy"], "full" if r["capacity"] is None else f"{r['capacity']:g}", str(r["n"]),
+        cells = [r["policy"], cap_cell(r), str(r["n"]),
                  f"{r['score']:.2f}"] + [f"{r['per_dataset'][d]:.2f}" if d in r["per_dataset"] else "-" for d in ds]
         cells += [f"{r['reduction_final']:.2f}x", f"{r['reduction_peak']:.2f}x", f"{r['nfe']:.1f}",
                   _fmt_test(r.get("vs_dense")), _fmt_test(r.get("vs_maskahead"))]
@@ -565,12 +640,20 @@ def to_markdown(summary: dict) -> str:
                   "| policy | capacity % | " + " | ".join(groups) + " |", "|" + "---|" * (len(groups) + 2)]
         for r in summary["runs"]:
             pl = r.get("per_length", {})
-            lines.append("| " + " | ".join([r["policy"], "full" if r["capacity"] is None else f"{r['capacity']:g}"]
+            lines.append("| " + " | ".join([r["policy"], cap_cell(r)]
                                            + [f"{pl[g]:.2f}" if g in pl else "-" for g in groups]) + " |")
     sd = summary.get("score_datasets")
     over = f" over {', '.join(sd)}" if sd and sd != ds else ""
     notes = ["", f"Scores x100 (score: dataset macro mean{over}). KV reduction = dense-equivalent bf16 bytes / held bytes, "
                  "summed over examples. Sign tests: paired by example, ties dropped, exact two-sided binomial."]
+    floored = [r for r in summary["runs"] if r.get("floor_over_budget")]
+    if floored:
+        notes.append("")
+        notes.append("`*` (capacity): a policy floor, not the budget, sets what is kept (floor > budget), so the "
+                     "row is not a run at that budget:")
+        for r in floored:
+            notes.append(f"- {r['policy']}@{cap_label(r['capacity'])}: {r['floor_over_budget']} of {r['n']} examples, "
+                         f"e.g. {r['budget_note']}")
     for e in summary.get("errors", []):
         notes.append(f"- error: {e['policy']}@{cap_label(e['capacity'])}: {e['error']}")
     return "\n".join(lines + notes) + "\n"

@@ -83,9 +83,9 @@ class Budget:
         if self.entries or prompt_len <= 0:
             return None
         c, by_pct = self.capacity(prompt_len), Budget(self.pct, 0, self.multiple).capacity(prompt_len)
-        if c <= by_pct:
-            return None
         kept = min(c, prompt_len)
+        if kept <= min(by_pct, prompt_len):  # the floor keeps no more than the percentage would
+            return None
         return (f"capacity_floor={self.floor} keeps {kept} of a {prompt_len}-token prompt "
                 f"({100 * kept / prompt_len:.0f}%), not capacity_pct={self.pct:g}%: lower "
                 f"capacity_floor, or give an absolute budget (kv_entries), for a {self.pct:g}% cache")

@@ -63,7 +63,12 @@ def get_tokenizer(path: str | None = None):
 
     path = path or TOKENIZER_PATH
     if os.path.exists(path):
-        return Tokenizer.from_file(path)
+        try:
+            return Tokenizer.from_file(path)
+        except Exception as e:  # the tokenizers library raises a bare Exception for a bad file
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            raise ValueError(f"cannot read the tokenizer {path}: {first} (a truncated or corrupt "
+                             f"tokenizer.json?)") from None
     return build_tokenizer()
 
 
