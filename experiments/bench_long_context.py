@@ -9,7 +9,8 @@ Per case (random prompt tokens, fixed output of --out-len tokens, stop at EOS of
   rss_gb           peak resident memory of the process (model, compile and run included)
   rss_base_gb      resident memory after loading the model, before compiling
   xla_temp_gb      XLA's temporary buffers of the whole generate program (memory_analysis)
-  prefill_s        the prefill program alone (builds the cache: time to the first block)
+  prefill_s        the prefill program alone (builds the cache: time to the first block), its
+                   second run (the first, untimed, pays the buffers' first touch)
   e2e_s            the whole program (prefill + decoding --out-len tokens), compiled beforehand
   decode_s         e2e_s - prefill_s; decode_s_per_block over the blocks decoded
   kv_peak_mb, kv_end_mb   the engine's KV accounting (stats of generate)
@@ -55,8 +56,10 @@ def _rss_gb() -> float:
 
 
 def run_case(model_name: str, policy: str, n: int, out_len: int, gen_kw: dict, pct: float,
-             schedule: str) -> dict:
-    """One case in this process (see the module docstring for the fields)."""
+             schedule: str, prefill_only: bool = False) -> dict:
+    """One case in this process (see the module docstring for the fields). prefill_only: run the
+    prefill program alone (the no-cache schedule at lengths where every step's full forward
+    would take hours: the parent derives its decode time from it)."""
     import jax
     import numpy as np
 
@@ -80,14 +83,22 @@ def run_case(model_name: str, policy: str, n: int, out_len: int, gen_kw: dict, p
         pol = make(policy, pct)
     base = _rss_gb()
     t0 = time.perf_counter()
-    lowered, args = lower(model, [prompt], gen, pol)
-    full = lowered.compile()
-    compile_s = time.perf_counter() - t0
-    mem = full.memory_analysis()
-    pre = lower(model, [prompt], gen, pol, phase="prefill")[0].compile()
+    pre, args = lower(model, [prompt], gen, pol, phase="prefill")
+    pre = pre.compile()
+    jax.block_until_ready(pre(*args))  # warm: the first run of a program pays its buffers' first touch
     t0 = time.perf_counter()
     jax.block_until_ready(pre(*args))
     prefill_s = time.perf_counter() - t0
+    if prefill_only:
+        mem = pre.memory_analysis()
+        return dict(model=model_name, policy=policy, gen=gen_kw, schedule=schedule, prompt_len=n, out_len=out_len,
+                    rss_gb=_rss_gb(), rss_base_gb=base, prefill_only=True,
+                    xla_temp_gb=getattr(mem, "temp_size_in_bytes", 0) / 2 ** 30, prefill_s=prefill_s,
+                    jax=jax.__version__, cpus=os.cpu_count())
+    t0 = time.perf_counter()
+    full = lower(model, [prompt], gen, pol)[0].compile()
+    compile_s = time.perf_counter() - t0
+    mem = full.memory_analysis()
     t0 = time.perf_counter()
     res = jax.block_until_ready(full(*args))
     e2e_s = time.perf_counter() - t0
@@ -125,6 +136,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="JSON file; cases already in it are kept (resume)")
     ap.add_argument("--case", default=None, help=argparse.SUPPRESS)  # one case, JSON: the child process
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per case")
+    ap.add_argument("--derive-from", type=int, default=0,
+                    help="throughput table: from this prompt length on, the no-cache schedule "
+                         "(prompt_refresh=1) runs its full forward once and its decode time is derived: "
+                         "(forwards - 1) x that forward, forwards from the longest measured run "
+                         "(the schedule is fixed); such rows say derived: true")
     a = ap.parse_args(argv)
     if a.case:
         c = json.loads(a.case)
@@ -143,7 +159,8 @@ def main(argv=None) -> int:
             continue
         for n in lengths:
             c = dict(model_name=model_name, policy=policy, n=n, out_len=a.out_len, gen_kw=gen_kw, pct=a.pct,
-                     schedule=schedule)
+                     schedule=schedule,
+                     prefill_only=bool(a.derive_from and n >= a.derive_from and gen_kw.get("prompt_refresh") == 1))
             if (model_name, policy, json.dumps(gen_kw, sort_keys=True), n) in have:
                 continue
             t0 = time.time()
@@ -163,6 +180,15 @@ def main(argv=None) -> int:
             if a.out:  # appended as it goes: an interrupted table resumes
                 os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
                 json.dump(dict(table=a.table, cases=done), open(a.out, "w"), indent=1)
+    for r in done:  # the no-cache schedule's derived rows
+        if r.get("prefill_only") and "error" not in r:
+            ref = [x for x in done if x["model"] == r["model"] and x["gen"] == r["gen"] and "forwards" in x]
+            if ref:
+                fw = max(ref, key=lambda x: x["prompt_len"])["forwards"]
+                dec = (fw - 1) * r["prefill_s"]
+                r.update(derived=True, forwards=fw, decode_s=dec, e2e_s=dec + r["prefill_s"],
+                         decode_s_per_block=dec / max(1, math.ceil(r["out_len"] / 32)),
+                         decode_tok_s=r["out_len"] / dec)
     fits = []
     for model_name, policy, gen_kw in TABLES[a.table]:
         rows = sorted((r for r in done if r["model"] == model_name and r["policy"] == policy
