@@ -29,11 +29,11 @@ def _operands(b=2, hkv=2, g=3, t=8, s=40, d=16, seed=0, dtype=jnp.float32):
     return q, kc, vc, valid, kb, vb, blk, rows
 
 
-def _kernels_and_reference(model, prompts, base: dict, pol):
-    """generate through the TPU kernels (interpret mode) and through the reference; the tokens
-    must be identical. Returns (kernels output, reference output)."""
+def _kernels_and_reference(model, prompts, base: dict, pol, impl: str = "pallas_tpu"):
+    """generate through the kernels of `impl` (interpret mode) and through the reference; the
+    tokens must be identical. Returns (kernels output, reference output)."""
     want = mj.generate(model, prompts, mj.GenerationConfig(attention="reference", **base), pol)
-    got = mj.generate(model, prompts, mj.GenerationConfig(attention="pallas_tpu", attention_interpret=True,
+    got = mj.generate(model, prompts, mj.GenerationConfig(attention=impl, attention_interpret=True,
                                                           **base), pol)
     for a, b in zip(got.tokens, want.tokens):
         assert list(a) == list(b)
@@ -95,7 +95,7 @@ def test_attend_tpu_kernel_packed_context_matches_reference(bits):
 def test_max_pooled_statistics_by_hand_and_through_any_implementation():
     """pool="max": each key's mass is the largest prefix-softmax probability a selected row (and
     query head) gives it, by hand in numpy; `stat_pool("max")` makes `attend` compute exactly that
-    whatever implementation is chosen (the kernels pool by the mean only), float and packed."""
+    whatever implementation is chosen (the TPU kernels here, the reference), float and packed."""
     q, kc, vc, valid, kb, vb, blk, rows = _operands(s=64, d=32)
     lg = np.einsum("bhgtd,bhsd->bhgts", np.asarray(q), np.asarray(kc)) / np.sqrt(q.shape[-1])
     lg = np.where(np.asarray(valid)[:, :, None, None], lg, -np.inf)
@@ -128,34 +128,46 @@ def test_max_pooled_statistics_by_hand_and_through_any_implementation():
     with attention.stat_pool("max"):
         _, got_q = attention.attend(q, (packed, None, valid), kb, vb, blk, rows)
     np.testing.assert_allclose(np.asarray(got_q.mass), np.asarray(want_q.mass), atol=1e-6)
+    # "pallas_gpu" (Mosaic GPU, whose pass 2 pools by the mean) pools by mean + max on Triton's
+    _, want_b = quant_reference.attention_quant(q, packed, valid, kb, vb, blk, rows, pool="mean+max")
+    with attention.use("pallas_gpu", interpret=True), attention.stat_pool("mean+max"):
+        _, got_b = attention.attend(q, (packed, None, valid), kb, vb, blk, rows)
+    np.testing.assert_allclose(np.asarray(got_b.mass), np.asarray(want_b.mass), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(got_b.score), np.asarray(want_b.score), atol=1e-5)
     assert attention._POOL.get() == "mean"  # the scope closes
     with pytest.raises(ValueError, match="pool must be one of"):
         with attention.stat_pool("sum"):
             pass
 
 
-@pytest.mark.parametrize("policy", ["dense", "maskahead"])
+@pytest.mark.parametrize("policy", ["dense", "maskahead-qa"])
 def test_generate_with_kernels_matches_reference(policy, monkeypatch):
     """The whole engine (prefill chunks, step-0 scoring, eviction, selection, commit forwards)
-    with every attention through the TPU kernels in interpret mode: the same tokens."""
+    with every attention through the TPU kernels in interpret mode: the same tokens. maskahead-qa
+    (MaskAhead's selection and eviction, bounded prefill, the question probes) pools its question
+    rows by mean + max (q-maskahead-draft's pooling): those probes take the kernels' pooled
+    statistics (on a GPU, the Triton kernels': test_max_pooled_statistics_...)."""
     traced = []
     real = attention.dispatch.scored_attention
 
     def spy(*a, **kw):
-        traced.append((kw["impl"], a[-1] is not None if len(a) > 7 else False))
+        traced.append((kw["impl"], a[-1] is not None if len(a) > 7 else False, kw.get("pool")))
         return real(*a, **kw)
 
     monkeypatch.setattr(attention.dispatch, "scored_attention", spy)
     model = tiny_model("sdar", scale=0.5, max_position_embeddings=4000 + len(policy))  # a fresh trace
     prompts = [list(range(1, 30)), list(range(3, 20))]
-    pol = None if policy == "dense" else make("maskahead", capacity_pct=50, capacity_floor=8,
-                                              topk_floor=4, recent=4, sinks=1)
+    pol = None if policy == "dense" else make(
+        "maskahead-qa", capacity_pct=50, capacity_floor=8, topk_floor=4, recent=4, sinks=1,
+        question_tokens=8, question_pool="mean+max", interval_blocks=1, lookahead_blocks=2)
     base = dict(max_new_tokens=16, prefill_chunk=16, stop_at_eos=False)
     got, want = _kernels_and_reference(model, prompts, base, pol)
     assert got.stats["nfe"] == want.stats["nfe"]
-    assert traced and {i for i, _ in traced} == {"pallas_tpu"}  # the kernel path was traced
-    if policy == "maskahead":
-        assert any(stats for _, stats in traced)  # step-0 scoring through the kernel's pass 2
+    assert traced and {i for i, _, _ in traced} == {"pallas_tpu"}  # the kernel path was traced
+    if pol is not None:
+        assert got.stats["evictions"] == want.stats["evictions"] > 0
+        assert any(stats and p == "mean" for _, stats, p in traced)  # step-0 scoring: pass 2
+        assert any(stats and p == "mean+max" for _, stats, p in traced)  # the question probes
 
 
 def test_generate_auto_on_cpu_is_the_reference_and_kernels_is_an_error():

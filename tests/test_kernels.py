@@ -130,10 +130,12 @@ def _scored(impl, bits):
     return partial(fn, impl=impl)
 
 
-@pytest.mark.parametrize("bits", [None, 4, 2])
-def test_tpu_kernels_lower_at_model_shapes(bits):
-    txt = _tpu_lowering(_scored("pallas_tpu", bits), *_realistic(bits))
-    assert txt.count("tpu_custom_call") == 2  # pass 1 and pass 2
+@pytest.mark.parametrize("bits,pool", [(None, "mean"), (4, "mean"), (2, "mean"), (None, "max_joint"),
+                                       (4, "mean+max")])
+def test_tpu_kernels_lower_at_model_shapes(bits, pool):
+    txt = _tpu_lowering(partial(_scored("pallas_tpu", bits), pool=pool), *_realistic(bits))
+    # pass 1 and pass 2; another pooling adds pass 3 (the values' distance to its centre)
+    assert txt.count("tpu_custom_call") == (2 if pool == "mean" else 3)
 
 
 # --------------------------------------------------------------------------- GPU: CUDA lowering
@@ -175,10 +177,14 @@ def test_mosaic_gpu_kernels_lower_for_cuda_at_model_shapes(bits):
 
 @pytest.mark.parametrize("bits", GPU_BITS)
 def test_triton_kernels_lower_for_cuda_at_model_shapes(bits):
-    """The Pallas -> Triton IR lowering (block shapes, every op's rule); PTX is built on a GPU."""
+    """The Pallas -> Triton IR lowering (block shapes, every op's rule); PTX is built on a GPU.
+    A pooling other than the mean adds pass 3; on a GPU it runs on these kernels even when
+    Mosaic GPU was asked for (dispatch.pool_impl)."""
     args = _realistic(bits)
     txt = _cuda_lowering(_scored("pallas_triton", bits), *args)
     assert txt.count("xla.gpu.triton") == 2  # pass 1 and pass 2
+    pooled = _cuda_lowering(partial(_scored("pallas_gpu", bits), pool="mean+max"), *args)
+    assert pooled.count("xla.gpu.triton") == 3 and "mosaic_gpu" not in pooled
     if bits is None:
         assert "xla.gpu.triton" in _cuda_lowering(
             partial(dispatch.sparse_attention, impl="pallas_triton"), *args[:7])
@@ -234,6 +240,32 @@ def test_triton_packed_kernel_at_model_like_shape(bits):
     ctx = Q.quantize_kv(k, v, bits)
     _close_model(dispatch.scored_attention_quant(q, ctx, valid, kb, vb, blk, rows, splits=2, **TRITON),
                  quant_reference.attention_quant(q, ctx, valid, kb, vb, blk, rows))
+
+
+# --------------------------------------------------------------------------- other poolings (interpret)
+
+@pytest.mark.parametrize("impl,bits,pool", [
+    ("pallas_tpu", 4, "max_joint"), ("pallas_triton", None, "max"),
+    ("pallas_triton", None, "max_joint"), ("pallas_triton", 2, "mean+max")])
+def test_pooled_statistics_kernels_match_reference(impl, bits, pool):
+    """A pooling other than the mean (reference.pool_rows): pass 2 keeps each key's sum and max
+    over the selected rows and the max's value sum, pass 3 each value's distance to the pooled
+    centre; mass and value score == the references (packed: 8 tokens in the bf16 residual).
+    The TPU kernels' float "max" / "mean+max" run in tests/test_attention_impl.py (attend, generate)."""
+    s = 72 if bits else 128
+    q, k, v, valid, kb, vb, blk, rows = _inputs(s, seed=3, d=32, t=4)
+    kw = dict(impl=impl, interpret=True, tile=64 if impl == "pallas_tpu" else 32, pool=pool)
+    if bits is None:
+        got = dispatch.scored_attention(q, k, v, valid, kb, vb, blk, rows, **kw)
+        want = reference.attention(q, k, v, valid, kb, vb, blk, rows, pool=pool)
+        mean = reference.attention(q, k, v, valid, kb, vb, blk, rows)[1]
+    else:
+        ctx = Q.quantize_kv(k, v, bits)
+        got = dispatch.scored_attention_quant(q, ctx, valid, kb, vb, blk, rows, **kw)
+        want = quant_reference.attention_quant(q, ctx, valid, kb, vb, blk, rows, pool)
+        mean = quant_reference.attention_quant(q, ctx, valid, kb, vb, blk, rows)[1]
+    _close(got, want)
+    assert float(jnp.abs(want[1].mass - mean.mass).max()) > 1e-2  # not the mean's statistics
 
 
 # --------------------------------------------------------------------------- GPU: Mosaic (interpret)
@@ -312,10 +344,17 @@ def test_dispatch_auto_choice_by_backend_and_jax_version(monkeypatch, version, b
 
 
 def test_dispatch_packed_gpu_without_triton_backend_uses_reference(monkeypatch):
+    """And the poolings other than the mean, which the Mosaic GPU kernels do not compute, take
+    the Triton kernels when there are any, else the reference."""
+    for pool in reference.POOLS:
+        want = "pallas_gpu" if pool == "mean" else "pallas_triton"
+        assert dispatch.pool_impl("pallas_gpu", pool) == want
+        assert dispatch.pool_impl("pallas_tpu", pool) == "pallas_tpu"
     monkeypatch.setattr(dispatch.jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(dispatch, "_triton_available", lambda: False)
     assert dispatch.resolve_impl(None, packed=True) == "reference"
     assert dispatch.resolve_impl(None, packed=False) == "pallas_gpu"
+    assert dispatch.pool_impl("pallas_gpu", "max") == "reference"
 
 
 def test_dispatch_block_only_and_sparse_reference():

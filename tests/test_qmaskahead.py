@@ -191,9 +191,9 @@ def test_invalid_settings_are_clear_errors():
         generate(tiny_model("sdar", block_size=32), [[1, 2]], gc, policy=QMaskAhead(**SMALL))
     with pytest.raises(PolicyError, match="bits"):
         generate(_model(), [[1, 2]], gc, policy=QMaskAhead(bits=3, **SMALL))
-    with pytest.raises(PolicyError, match="block_size"):
+    with pytest.raises(PolicyError, match="block_size=16"):  # the open group forced off
         generate(_model(block_size=16), [[1, 2]], GenerationConfig(max_new_tokens=8, prefill_chunk=64),
-                 policy=QMaskAhead(**SMALL))
+                 policy=QMaskAhead(residual=False, **SMALL))
     with pytest.raises(PolicyError, match="block-causal"):
         generate(tiny_model("llada", head_dim=32, block_size=32), [[1, 2]], gc, policy=QMaskAhead(**SMALL))
     assert isinstance(make("q-maskahead"), MaskAhead)
@@ -267,21 +267,29 @@ def test_aligned_appends_without_an_open_group_still_refuse_partial_groups():
         kvc.append(qc, k, v, jnp.arange(8, dtype=jnp.int32)[None], jnp.array([8]))
 
 
-@pytest.mark.parametrize("bs,d,chunk", [(4, 64, 64), (8, 96, 48), (16, 128, 64)])
+@pytest.mark.parametrize("bs,d,chunk", [(4, 32, 64), (8, 32, 40), (8, 96, 48), (16, 128, 64)])
 def test_small_blocks_and_head_sizes_match_the_simulated_cache(bs, d, chunk):
-    """Q-MaskAhead at block sizes 4 / 8 / 16 and head sizes 64 / 96 / 128 (residual=True): the
-    packed run == the simulated float run, with selections and evictions; the plain policy
-    refuses the unaligned blocks with a PolicyError naming residual=True."""
-    m = _model(head_dim=d, hidden_size=2 * d, block_size=bs)
+    """Q-MaskAhead at block sizes 4 / 8 / 16 (SDAR's) and head sizes 32 / 96 / 128, with the
+    policy's defaults: the open group turns on by itself (block or chunk not a multiple of 32),
+    and the packed run == the simulated float run, with selections and evictions; forcing
+    residual=False refuses such sizes with a PolicyError that names them."""
+    m = _model(head_dim=d, hidden_size=max(64, 2 * d), block_size=bs)
     gc = GenerationConfig(max_new_tokens=32, prefill_chunk=chunk, stop_at_eos=False)
-    kw = dict(SMALL, residual=True, compact_dtype="float32")
+    gen = gc.resolve(m.config)
+    kw = dict(SMALL, compact_dtype="float32")
+    assert QMaskAhead(**kw).for_run(m.config, gen).residual is True
+    assert QMaskAhead(**kw).for_run(m.config, GC.resolve(_model().config)).residual is False  # 32 / 64
     out = generate(m, _prompts((70, 45)), gc, policy=QMaskAhead(**kw))
     sim = generate(m, _prompts((70, 45)), gc, policy=QMaskAhead(simulate=True, **kw))
     assert out.tokens == sim.tokens and all(len(t) == 32 for t in out.tokens)
     assert out.stats["live_entries"] == sim.stats["live_entries"]
     assert out.stats["evictions"] >= 1
-    with pytest.raises(PolicyError, match="residual=True"):
-        generate(m, _prompts((70, 45)), gc, policy=QMaskAhead(**SMALL))
+    with pytest.raises(PolicyError, match=f"block_size={bs}"):
+        QMaskAhead(residual=False, **SMALL).validate(m.config, gen)
+    # ragged per-lane budgets work on whole key groups: a clear error, with the way out
+    with pytest.raises(PolicyError, match="head_alloc='uniform'"):
+        QuestionAwareQMaskAhead(**SMALL).validate(m.config, gen)
+    QuestionAwareQMaskAhead(**SMALL, head_alloc="uniform").validate(m.config, gen)
 
 
 # ----------------------------------------------------------------------------- lazy compaction

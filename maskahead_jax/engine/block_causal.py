@@ -19,6 +19,7 @@ from .state import BlockState, dense_bytes, probe_forward
 
 def block_causal_core(params, prompt, plen, key, draft=None, *, cfg, gen, policy, cache_dtype,
                       phase: str = "all"):
+    policy = policy.for_run(cfg, gen)  # automatic knobs fixed (a static, hashable policy)
     b, pb = prompt.shape
     bs, chunk, mask_id = gen.block_size, gen.prefill_chunk, cfg.mask_token_id
     n_chunks = max(1, math.ceil(pb / chunk))

@@ -89,8 +89,9 @@ def current() -> Choice:
 
 # How the statistics pool their query rows (reference.pool_rows): "mean" everywhere but inside
 # `stat_pool(...)`, which a probe opens around its forward. A trace-time setting like `use`.
-# The Pallas kernels pool by the mean only, so a forward pooled otherwise reads its context with
-# the jnp reference (exact; it materialises the probe's [rows, S] probabilities per layer).
+# The kernels pool by every rule (dispatch: a non-mean pooling's pass 2 keeps each key's sum and
+# max over the rows, and a third pass measures the values' distance to the pooled centre); on a
+# GPU those forwards take the Pallas Triton kernels, the Mosaic GPU pass 2 pooling by the mean.
 _POOL: contextvars.ContextVar[str] = contextvars.ContextVar("maskahead_stat_pool", default="mean")
 
 
@@ -153,10 +154,8 @@ def attend(q, ctx, k_blk, v_blk, blk_mask, stat_rows: Optional[jax.Array] = None
     packed = isinstance(kc, quant.QuantKV)
     impl = choice.impl
     pool = _POOL.get() if stat_rows is not None else "mean"
-    if pool != "mean":
-        if packed:
-            return quant_reference.attention_quant(q, kc, valid, k_blk, v_blk, blk_mask, stat_rows, pool)
-        return reference.attention_any(q, kc, vc, valid, k_blk, v_blk, blk_mask, stat_rows, pool)
+    if impl != "reference" and pool != "mean":
+        impl = dispatch.pool_impl(impl, pool)  # Mosaic GPU pools by the mean only: Triton's
     if impl != "reference" and stat_rows is not None and impl == "pallas_gpu" \
             and q.shape[2] * q.shape[3] > GPU_MAX_STAT_ROWS:
         impl = "reference"
@@ -164,10 +163,10 @@ def attend(q, ctx, k_blk, v_blk, blk_mask, stat_rows: Optional[jax.Array] = None
         if impl != "reference" and choice.automatic:
             impl = dispatch.resolve_impl(None, packed=True) if not choice.interpret else impl
         if impl == "reference":
-            return quant_reference.attention_quant(q, kc, valid, k_blk, v_blk, blk_mask, stat_rows)
+            return quant_reference.attention_quant(q, kc, valid, k_blk, v_blk, blk_mask, stat_rows, pool)
         return dispatch.scored_attention_quant(q, kc, valid, k_blk, v_blk, masks.dense(blk_mask), stat_rows,
-                                               impl=impl, interpret=choice.interpret)
+                                               impl=impl, interpret=choice.interpret, pool=pool)
     if impl == "reference":
-        return reference.attention_any(q, kc, vc, valid, k_blk, v_blk, blk_mask, stat_rows)
+        return reference.attention_any(q, kc, vc, valid, k_blk, v_blk, blk_mask, stat_rows, pool)
     return dispatch.scored_attention(q, kc, vc, valid, k_blk, v_blk, masks.dense(blk_mask), stat_rows,
-                                     impl=impl, interpret=choice.interpret)
+                                     impl=impl, interpret=choice.interpret, pool=pool)

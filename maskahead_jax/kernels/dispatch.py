@@ -7,6 +7,9 @@
 All share `reference.attention`'s contract: q [B, Hkv, G, T, D], context [B, Hkv, S, D] (or a
 QuantKV with leading axes [B, Hkv]), ctx_valid [B, Hkv, S], block k/v [B, Hkv, T, D],
 blk_mask [B, T, T], stat_rows [B, T]; they return (out [B, Hkv, G, T, D], ScoredStats or None).
+`pool` (reference.POOLS) is how the statistics pool their rows; a pooling other than the mean
+runs pass 2's pooled variant and a third pass (splitk.py), on the TPU and Triton kernels
+(`pool_impl`: a Mosaic GPU call pools those on the Triton kernels).
 
 `impl`: None picks by `jax.default_backend()` ("gpu" -> "pallas_gpu" (Mosaic GPU) for float
 contexts and "pallas_triton" for packed ones, "tpu" -> "pallas_tpu", else "reference"; see
@@ -90,8 +93,38 @@ def _pad(x, axis: int, n: int, value=0):
     return jnp.pad(x, widths, constant_values=value)
 
 
+def pool_impl(impl: str, pool: str = "mean") -> str:
+    """The kernel that pools statistics by `pool`: every backend's but the Mosaic GPU one, whose
+    pass 2 pools by the mean only (the other poolings on a GPU take the Pallas Triton kernels,
+    or the reference where resolve_impl would not pick Triton for packed contexts)."""
+    if impl != "pallas_gpu" or pool == "mean":
+        return impl
+    if _jax_version() <= GPU_PACKED_CHECKED_UP_TO and _triton_available():
+        return GPU_PACKED_IMPL
+    return "reference"
+
+
+def _pooled_stats(be, q_planes, q_rows, ctx, valid, cpb, fin, w, pool, tile, interpret, s_len,
+                  residual):
+    """Statistics of a non-mean pooling: pass 2 (per-key sum and max over the rows, and the
+    max's value sum), the pooled mass and its centre (splitk.pool_mass), then pass 3 (each
+    value's distance to that centre)."""
+    lse = fin.lse_joint if pool == "max_joint" else fin.lse
+    msum, mmax, vsum = be.pass2_pool(q_planes, ctx, valid, lse, w, tile=tile, interpret=interpret)
+    msum, mmax = msum[..., :s_len], mmax[..., :s_len]
+    if residual is not None:
+        rsum, rmax, rvsum = splitk.pool_stats_jnp(q_rows, *residual, lse, w)
+        msum, mmax = jnp.concatenate([msum, rsum], -1), jnp.concatenate([mmax, rmax], -1)
+        vsum = vsum + rvsum
+    mass, centre = splitk.pool_mass(pool, msum, mmax, vsum, fin.vsum)
+    d2 = be.distance(ctx, splitk.to_planes(centre, cpb), tile=tile, interpret=interpret)[..., :s_len]
+    if residual is not None:
+        d2 = jnp.concatenate([d2, splitk.distance_jnp(residual[1], centre)], -1)
+    return ScoredStats(mass, mass * jnp.sqrt(d2))
+
+
 def _run(be, q, ctx, valid, cpb, k_blk, v_blk, blk_mask, stat_rows, tile, splits, interpret,
-         s_len, residual=None):
+         s_len, residual=None, pool="mean"):
     g = q.shape[2]
     q_rows = splitk.rows(q)  # [B, Hkv, R, D]
     q_planes = splitk.to_planes(q_rows, cpb)  # [B, Hkv, cpb, R, D/cpb]
@@ -102,6 +135,9 @@ def _run(be, q, ctx, valid, cpb, k_blk, v_blk, blk_mask, stat_rows, tile, splits
     if stat_rows is None:
         return fin.out, None
     w = splitk.row_weights(stat_rows, g)
+    if pool != "mean":
+        return fin.out, _pooled_stats(be, q_planes, q_rows, ctx, valid, cpb, fin, w, pool, tile,
+                                      interpret, s_len, residual)
     mass, score = be.pass2(q_planes, ctx, valid, fin.lse, w, splitk.to_planes(fin.centre, cpb),
                            tile=tile, interpret=interpret)
     mass, score = mass[..., :s_len], score[..., :s_len]
@@ -111,34 +147,47 @@ def _run(be, q, ctx, valid, cpb, k_blk, v_blk, blk_mask, stat_rows, tile, splits
     return fin.out, ScoredStats(mass, score)
 
 
+def _check_pool(pool: str) -> None:
+    if pool not in reference.POOLS:
+        raise ValueError(f"pool must be one of {reference.POOLS}, got {pool!r}")
+
+
 def scored_attention(q, k_ctx, v_ctx, ctx_valid, k_blk, v_blk, blk_mask,
                      stat_rows: Optional[jax.Array] = None, *, impl: Optional[str] = None,
-                     interpret=False, tile: Optional[int] = None, splits: Optional[int] = None):
-    """Exact attention over [context | block] plus prefix mass and value score (float context)."""
+                     interpret=False, tile: Optional[int] = None, splits: Optional[int] = None,
+                     pool: str = "mean"):
+    """Exact attention over [context | block] plus prefix mass and value score (float context);
+    `pool`: how the statistics pool their rows (reference.POOLS, `pool_impl`)."""
+    _check_pool(pool)
     impl = resolve_impl(impl)
+    if stat_rows is not None:
+        impl = pool_impl(impl, pool)
     if impl == "reference" or k_ctx is None:
-        return reference.attention(q, k_ctx, v_ctx, ctx_valid, k_blk, v_blk, blk_mask, stat_rows)
+        return reference.attention(q, k_ctx, v_ctx, ctx_valid, k_blk, v_blk, blk_mask, stat_rows, pool)
     be = _backend(impl)
     s_len = k_ctx.shape[2]
     tile, splits, n = be.plan(s_len, tile, splits)
     ctx = be.float_ctx(_pad(k_ctx, 2, n), _pad(v_ctx, 2, n))
     return _run(be, q, ctx, _pad(ctx_valid, 2, n, False), 1, k_blk, v_blk, blk_mask, stat_rows,
-                tile, splits, interpret, s_len)
+                tile, splits, interpret, s_len, pool=pool)
 
 
 def scored_attention_quant(q, ctx: quant.QuantKV, ctx_valid, k_blk, v_blk, blk_mask,
                            stat_rows: Optional[jax.Array] = None, *, impl: Optional[str] = None,
                            interpret=False, tile: Optional[int] = None,
-                           splits: Optional[int] = None):
+                           splits: Optional[int] = None, pool: str = "mean"):
     """Same as `scored_attention` with a packed context, dequantized tile by tile in the kernel.
 
     A bf16 residual (the trailing partial key group) is handled in jnp and merged into the
     same softmax state.
     """
+    _check_pool(pool)
     impl = resolve_impl(impl, packed=True)
+    if stat_rows is not None:
+        impl = pool_impl(impl, pool)
     nq = ctx.num_packed
     if impl == "reference" or nq == 0:
-        return quant_reference.attention_quant(q, ctx, ctx_valid, k_blk, v_blk, blk_mask, stat_rows)
+        return quant_reference.attention_quant(q, ctx, ctx_valid, k_blk, v_blk, blk_mask, stat_rows, pool)
     be = _backend(impl)
     bits = ctx.bits
     cpb = quant.codes_per_byte(bits)
@@ -153,7 +202,7 @@ def scored_attention_quant(q, ctx: quant.QuantKV, ctx_valid, k_blk, v_blk, blk_m
     if ctx.k_res.shape[-2]:
         residual = (ctx.k_res, ctx.v_res, ctx_valid[..., nq:])
     return _run(be, q, packed, valid, cpb, k_blk, v_blk, blk_mask, stat_rows, tile, splits,
-                interpret, nq, residual)
+                interpret, nq, residual, pool)
 
 
 def sparse_attention(q, k_sel, v_sel, sel_valid, k_blk, v_blk, blk_mask, *,

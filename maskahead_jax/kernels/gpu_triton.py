@@ -30,6 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from . import splitk
 from .reference import NEG_INF
 from .splitk import Partial, default_splits
 
@@ -180,6 +181,17 @@ def _pad_rows(q_planes, ctx: Ctx, br: int, dtype):
     return q.astype(dtype), rp
 
 
+def _dist2(v_planes, cen_ref, dp):
+    """[tile] squared distance of the tile's values (planes [tile, dp]) to the centre
+    cen_ref [cpb, dp]."""
+    d2 = None
+    for i, vp in enumerate(v_planes):
+        diff = vp - _bcast(cen_ref[i, :], vp.shape, 1)
+        x = (diff * diff).sum(axis=1)
+        d2 = x if d2 is None else d2 + x
+    return d2
+
+
 def pass1(q_planes, ctx: Ctx, valid, *, tile: int, splits: int, interpret=False) -> Partial:
     """Partial softmax states, see tpu.pass1 for the contract."""
     b, h, cpb, r, dp0 = q_planes.shape
@@ -268,13 +280,8 @@ def pass2(q_planes, ctx: Ctx, valid, lse, w, centre_p, *, tile: int, interpret=F
             return mass + (p * _bcast(w_ref[rows], (br, tile), 0)).sum(axis=0)
 
         mass = lax.fori_loop(0, rp // br, body, jnp.zeros((tile,), jnp.float32))
-        d2 = None
-        for p, vp in enumerate(_load_values(ctx, c_refs[n_k:], 0, tile)):
-            diff = vp - _bcast(cen_ref[p, :], (tile, dp), 1)
-            x = (diff * diff).sum(axis=1)
-            d2 = x if d2 is None else d2 + x
         mass_ref[...] = mass
-        score_ref[...] = mass * jnp.sqrt(d2)
+        score_ref[...] = mass * jnp.sqrt(_dist2(_load_values(ctx, c_refs[n_k:], 0, tile), cen_ref, dp))
 
     tile_of = lambda b_, h_, t_: t_
     per_tok = pl.BlockSpec((None, None, tile), lambda b_, h_, t_: (b_, h_, t_))
@@ -291,3 +298,81 @@ def pass2(q_planes, ctx: Ctx, valid, lse, w, centre_p, *, tile: int, interpret=F
         name="scored_attention_pass2_triton",
     )(qp, *ctx.arrays, valid.astype(jnp.int32), lse_p, w_p, cen)
     return mass, score
+
+
+def pass2_pool(q_planes, ctx: Ctx, valid, lse, w, *, tile: int, interpret=False):
+    """Pass 2 of a pooling other than the mean, see tpu.pass2_pool for the contract."""
+    b, h, cpb, r, dp0 = q_planes.shape
+    dp = ctx.dp
+    s_len = valid.shape[-1]
+    nt = s_len // tile
+    scale = 1.0 / float(cpb * dp0) ** 0.5
+    br = block_rows(r)
+    cdt = _compute_dtype(q_planes.dtype, ctx)
+    qp, rp = _pad_rows(q_planes, ctx, br, cdt)
+    lse_p = jnp.pad(lse.astype(jnp.float32), ((0, 0), (0, 0), (0, rp - r)), constant_values=1e30)
+    w_p = jnp.pad(w.astype(jnp.float32), ((0, 0), (0, rp - r)))
+    n_arr = len(ctx.arrays)
+    n_k = 1 if ctx.kind == "float" else 3
+
+    def kernel(q_ref, *refs):
+        c_refs = refs[:n_arr]
+        valid_ref, lse_ref, w_ref, sum_ref, max_ref, vsum_ref = refs[n_arr:]
+        k_planes = [x.astype(cdt) for x in _load_keys(ctx, c_refs[:n_k], 0, tile)]
+        ok = _bcast(valid_ref[...] != 0, (br, tile), 1)
+
+        def body(rb, carry):  # one block of query rows against the tile
+            msum, mmax = carry
+            rows = pl.ds(rb * br, br)
+            s = _logits([q_ref[i, rows, :] for i in range(cpb)], k_planes, scale)
+            p = jnp.where(ok, jnp.exp(s - _bcast(lse_ref[rows], (br, tile), 0)), 0.0)
+            wb = _bcast(w_ref[rows], (br, tile), 0)
+            return msum + (p * wb).sum(axis=0), jnp.maximum(mmax, jnp.where(wb > 0, p, 0.0).max(axis=0))
+
+        zero = jnp.zeros((tile,), jnp.float32)
+        msum, mmax = lax.fori_loop(0, rp // br, body, (zero, zero))
+        sum_ref[...] = msum
+        max_ref[...] = mmax
+        for i, vp in enumerate(_load_values(ctx, c_refs[n_k:], 0, tile)):
+            vsum_ref[i] = (vp * _bcast(mmax, (tile, dp), 0)).sum(axis=0)
+
+    per_tok = pl.BlockSpec((None, None, tile), lambda b_, h_, t_: (b_, h_, t_))
+    in_specs = ([pl.BlockSpec((None, None, cpb, rp, dp), lambda b_, h_, t_: (b_, h_, 0, 0, 0))]
+                + _ctx_specs(ctx, tile, lambda b_, h_, t_: t_)
+                + [per_tok,
+                   pl.BlockSpec((None, None, rp), lambda b_, h_, t_: (b_, h_, 0)),
+                   pl.BlockSpec((None, rp), lambda b_, h_, t_: (b_, 0))])
+    out_specs = [per_tok, per_tok, pl.BlockSpec((None, None, None, cpb, dp),
+                                                lambda b_, h_, t_: (b_, h_, t_, 0, 0))]
+    out_shape = [jax.ShapeDtypeStruct((b, h, s_len), jnp.float32)] * 2 + [
+        jax.ShapeDtypeStruct((b, h, nt, cpb, dp), jnp.float32)]
+    msum, mmax, vsum = pl.pallas_call(
+        kernel, grid=(b, h, nt), in_specs=in_specs, out_specs=out_specs,
+        out_shape=out_shape, compiler_params=_params(br), interpret=_interpret(interpret),
+        name="scored_attention_pass2_pool_triton",
+    )(qp, *ctx.arrays, valid.astype(jnp.int32), lse_p, w_p)
+    return msum, mmax, splitk.planes_to_channels(vsum.sum(2)[..., :dp0])
+
+
+def distance(ctx: Ctx, centre_p, *, tile: int, interpret=False):
+    """Squared distance of every context value to the centre, see tpu.distance."""
+    b, h, cpb, dp0 = centre_p.shape
+    dp = ctx.dp
+    n_k = 1 if ctx.kind == "float" else 3
+    vals = ctx.arrays[n_k:]
+    s_len = vals[0].shape[2]
+    n_v = len(vals)
+    cen = _pad_last(centre_p.astype(jnp.float32), dp)
+
+    def kernel(*refs):
+        refs[n_v + 1][...] = _dist2(_load_values(ctx, refs[:n_v], 0, tile), refs[n_v], dp)
+
+    per_tok = pl.BlockSpec((None, None, tile), lambda b_, h_, t_: (b_, h_, t_))
+    in_specs = (_ctx_specs(ctx, tile, lambda b_, h_, t_: t_)[n_k:]
+                + [pl.BlockSpec((None, None, cpb, dp), lambda b_, h_, t_: (b_, h_, 0, 0))])
+    return pl.pallas_call(
+        kernel, grid=(b, h, s_len // tile), in_specs=in_specs, out_specs=per_tok,
+        out_shape=jax.ShapeDtypeStruct((b, h, s_len), jnp.float32),
+        compiler_params=_params(16), interpret=_interpret(interpret),
+        name="scored_attention_distance_triton",
+    )(*vals, cen)

@@ -39,8 +39,8 @@ def value_score(mass: jax.Array, v: jax.Array) -> jax.Array:
     return mass * jnp.linalg.norm(v - centre[..., None, :], axis=-1)
 
 
-# How statistics pool their query rows (`pool_rows`). "mean" is the released rule and the only
-# one the Pallas kernels compute; the others are ours (issue 40, docs/results.md §2c-4).
+# How statistics pool their query rows (`pool_rows`). "mean" is the released rule; the others
+# are ours (issue 40, docs/results.md §2c-4); the Pallas kernels compute each (splitk.py).
 POOLS = ("mean", "max", "mean+max", "max_joint")
 
 

@@ -16,6 +16,13 @@ mass a_i = sum_r w_r p_ri with w_r = stat_rows[t] / (G * #stat rows), and the sc
 a_i * ||v_i - c||, with the centre c = sum_r w_r O_p[r] / sum_i a_i computed in `finish`
 (equal to sum_i a_i v_i / sum_i a_i, the reference's definition).
 
+Other poolings (reference.pool_rows: "max", "mean+max", "max_joint"; `attention.stat_pool`):
+pass 2 keeps, per key, the weighted sum above and the largest p_ri over the selected rows
+(w_r > 0), and sums mass_max_i * v_i per tile; "max_joint" runs it on the joint [context |
+block] normaliser, which `finish` reads off the same state. `pool_mass` (jnp, [B, Hkv, S])
+combines them (mean+max: the max renormalised over all keys, so only after every tile) with
+the value centre c; pass 3 (kernel, values only) then gives ||v_i - c|| for the score.
+
 Packed tiles are unpacked into `cpb` = 8 / bits channel planes (plane p holds the channels
 j * cpb + p), which needs only shifts and masks; the query, the key metadata and the centre
 are split into the same planes outside the kernel and the output planes are interleaved back.
@@ -93,6 +100,8 @@ class Finished(NamedTuple):
     out: jax.Array  # [B, Hkv, G, T, D] joint [context | block] attention output
     lse: jax.Array  # [B, Hkv, R] prefix-only log-sum-exp (BIG where a row saw no valid key)
     centre: Optional[jax.Array]  # [B, Hkv, D] value centre c (None without stat rows)
+    lse_joint: Optional[jax.Array] = None  # [B, Hkv, R] joint [context | block] log-sum-exp
+    vsum: Optional[jax.Array] = None  # [B, Hkv, D] sum_i a_i v_i of the mean-pooled mass a
 
 
 def finish(part: Partial, q: jax.Array, k_blk, v_blk, blk_mask, stat_rows=None) -> Finished:
@@ -104,12 +113,13 @@ def finish(part: Partial, q: jax.Array, k_blk, v_blk, blk_mask, stat_rows=None) 
     m, l, acc = _merge(part)
     seen = l > 0
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), BIG)
-    centre = None
+    centre = vsum = None
     if stat_rows is not None:
         w = row_weights(stat_rows, g)  # [B, R]
         o_p = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
         tot = jnp.einsum("br,bhr->bh", w, seen.astype(jnp.float32))
-        centre = jnp.einsum("br,bhrd->bhd", w, o_p) / jnp.maximum(tot, 1e-30)[..., None]
+        vsum = jnp.einsum("br,bhrd->bhd", w, o_p)
+        centre = vsum / jnp.maximum(tot, 1e-30)[..., None]
     # block keys, joined to the same softmax
     scale = 1.0 / jnp.sqrt(jnp.float32(d))
     sb = jnp.einsum("bhrd,bhsd->bhrs", rows(q), k_blk.astype(q.dtype),
@@ -123,7 +133,9 @@ def finish(part: Partial, q: jax.Array, k_blk, v_blk, blk_mask, stat_rows=None) 
     acc2 = acc * f[..., None] + jnp.einsum("bhrs,bhsd->bhrd", pb.astype(v_blk.dtype), v_blk,
                                            preferred_element_type=jnp.float32)
     out = acc2 / jnp.maximum(l2, 1e-30)[..., None]
-    return Finished(out.reshape(b, h, g, t, d).astype(q.dtype), lse, centre)
+    any_key = l2 > 0
+    lse_joint = jnp.where(any_key, m2 + jnp.log(jnp.where(any_key, l2, 1.0)), BIG)
+    return Finished(out.reshape(b, h, g, t, d).astype(q.dtype), lse, centre, lse_joint, vsum)
 
 
 def stats_jnp(q_rows, k, v, valid, lse, w, centre):
@@ -135,6 +147,48 @@ def stats_jnp(q_rows, k, v, valid, lse, w, centre):
     mass = jnp.einsum("br,bhrs->bhs", w, p)
     dist = jnp.linalg.norm(v.astype(jnp.float32) - centre[:, :, None, :], axis=-1)
     return mass, mass * dist
+
+
+def pool_stats_jnp(q_rows, k, v, valid, lse, w):
+    """Pass 2 of a non-mean pooling in plain jnp for a float context part (the bf16 residual):
+    (mass_sum, mass_max [B, Hkv, S], vsum_max [B, Hkv, D]), see `pool_mass`."""
+    scale = 1.0 / jnp.sqrt(jnp.float32(q_rows.shape[-1]))
+    s = jnp.einsum("bhrd,bhsd->bhrs", q_rows, k.astype(q_rows.dtype),
+                   preferred_element_type=jnp.float32) * scale
+    p = jnp.where(valid[:, :, None, :], jnp.exp(s - lse[..., None]), 0.0)
+    msum = jnp.einsum("br,bhrs->bhs", w, p)
+    mmax = jnp.where((w > 0)[:, None, :, None], p, 0.0).max(axis=2)
+    return msum, mmax, jnp.einsum("bhs,bhsd->bhd", mmax, v.astype(jnp.float32))
+
+
+def pool_mass(pool: str, mass_sum, mass_max, vsum_max, vsum_mean):
+    """The pooled mass [B, Hkv, S] and its value centre c [B, Hkv, D] (reference.pool_rows and
+    value_score) from the kernels' per-key sums and maxima over the rows.
+
+    mass_sum: the mean-pooled mass; mass_max: the largest probability a selected row gives the
+    key; vsum_max = sum_i mass_max_i v_i; vsum_mean = sum_i mass_sum_i v_i (`Finished.vsum`).
+    "max" / "max_joint" (pass 2 ran on the joint normaliser) take the max; "mean+max" the mean
+    plus the max renormalised to sum to 1, whose centre mixes both value sums alike."""
+    smax = jnp.maximum(mass_max.sum(-1), 1e-30)  # [B, Hkv]
+    if pool in ("max", "max_joint"):
+        return mass_max, vsum_max / smax[..., None]
+    if pool != "mean+max":
+        raise ValueError(f"pool_mass takes max, max_joint or mean+max, got {pool!r}")
+    mass = mass_sum + mass_max / smax[..., None]
+    tot = jnp.maximum(mass.sum(-1), 1e-30)
+    return mass, (vsum_mean + vsum_max / smax[..., None]) / tot[..., None]
+
+
+def distance_jnp(v, centre):
+    """||v_i - c||^2 [B, Hkv, S] for a float context part; v [B, Hkv, S, D], centre [B, Hkv, D]."""
+    diff = v.astype(jnp.float32) - centre[:, :, None, :]
+    return (diff * diff).sum(-1)
+
+
+def planes_to_channels(x):
+    """[B, Hkv, cpb, Dp] -> [B, Hkv, D] (the inverse of `to_planes` on a [B, Hkv, D] array)."""
+    b, h, cpb, dp = x.shape
+    return jnp.moveaxis(x, 2, -1).reshape(b, h, cpb * dp)
 
 
 def default_splits(n: int, tile: int) -> int:

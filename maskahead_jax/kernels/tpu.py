@@ -22,7 +22,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from . import tiles
+from . import splitk, tiles
 from .reference import NEG_INF
 from .splitk import Partial
 
@@ -94,6 +94,19 @@ def _logits(q_ref, k_planes, scale):
         d = lax.dot_general(qp, kp.astype(qp.dtype), NT, preferred_element_type=jnp.float32)
         s = d if s is None else s + d
     return s * scale
+
+
+def _dist2(v_planes, c_ref):
+    """[1, tile] squared distance of the tile's values (cpb planes [tile, Dp]) to the centre
+    c_ref [cpb, 1, Dp]."""
+    ones = jnp.ones((1, v_planes[0].shape[1]), jnp.float32)
+    d2 = None
+    for i, vp in enumerate(v_planes):
+        diff = vp - c_ref[i]  # [tile, Dp]
+        x = lax.dot_general(ones, diff * diff, NT, precision=lax.Precision.HIGHEST,
+                            preferred_element_type=jnp.float32)  # [1, tile]
+        d2 = x if d2 is None else d2 + x
+    return d2
 
 
 def pass1(q_planes, ctx: Ctx, valid, *, tile: int, splits: int, interpret=False) -> Partial:
@@ -180,15 +193,8 @@ def pass2(q_planes, ctx: Ctx, valid, lse, w, centre_p, *, tile: int, interpret=F
         s = _logits(q_ref, ctx.load_k(c_refs[:ctx.n_k]), scale)
         p = jnp.where(vr, jnp.exp(s - lse_ref[...]), 0.0)  # [R, tile]
         mass = jnp.sum(w_ref[...] * p, axis=0, keepdims=True)  # [1, tile]
-        ones = jnp.ones((1, dp), jnp.float32)
-        d2 = None
-        for i, vp in enumerate(ctx.load_v(c_refs[ctx.n_k:])):
-            diff = vp - c_ref[i]  # [tile, Dp]
-            x = lax.dot_general(ones, diff * diff, NT, precision=lax.Precision.HIGHEST,
-                                preferred_element_type=jnp.float32)  # [1, tile]
-            d2 = x if d2 is None else d2 + x
         mass_o[...] = mass
-        score_o[...] = mass * jnp.sqrt(d2)
+        score_o[...] = mass * jnp.sqrt(_dist2(ctx.load_v(c_refs[ctx.n_k:]), c_ref))
 
     tile_of = lambda b_, h_, t_: t_
     row = lambda b_, h_, t_: (b_, h_, 0, t_)
@@ -209,3 +215,78 @@ def pass2(q_planes, ctx: Ctx, valid, lse, w, centre_p, *, tile: int, interpret=F
       w[..., None], centre_p[:, :, :, None, :])
     return mass[:, :, 0], score[:, :, 0]
 
+
+
+def pass2_pool(q_planes, ctx: Ctx, valid, lse, w, *, tile: int, interpret=False):
+    """Pass 2 of a pooling other than the mean (splitk.pool_mass): per context key the
+    mean-pooled mass and the largest probability a selected row (w > 0) gives it, and the
+    max's value sum.  Arguments as `pass2` (lse: the prefix or the joint normaliser).
+
+    Returns (mass_sum, mass_max [B, Hkv, S], vsum_max [B, Hkv, D]) float32.
+    """
+    b, h, cpb, r, dp = q_planes.shape
+    s_len = valid.shape[-1]
+    nt = s_len // tile
+    scale = 1.0 / float(cpb * dp) ** 0.5
+    n_ctx = len(ctx.arrays)
+    nn = (((1,), (0,)), ((), ()))  # a [m, k] . b [k, n]
+
+    def kernel(q_ref, *refs):
+        c_refs, valid_ref, lse_ref, w_ref = refs[:n_ctx], *refs[n_ctx:n_ctx + 3]
+        sum_o, max_o, vsum_o = refs[n_ctx + 3:]
+        vr = valid_ref[...] != 0  # [1, tile]
+        s = _logits(q_ref, ctx.load_k(c_refs[:ctx.n_k]), scale)
+        p = jnp.where(vr, jnp.exp(s - lse_ref[...]), 0.0)  # [R, tile]
+        wr = w_ref[...]  # [R, 1]
+        sum_o[...] = jnp.sum(wr * p, axis=0, keepdims=True)
+        mx = jnp.max(jnp.where(wr > 0, p, 0.0), axis=0, keepdims=True)  # [1, tile]
+        max_o[...] = mx
+        for i, vp in enumerate(ctx.load_v(c_refs[ctx.n_k:])):
+            vsum_o[i] = lax.dot_general(mx, vp, nn, precision=lax.Precision.HIGHEST,
+                                        preferred_element_type=jnp.float32)  # [1, Dp]
+
+    tile_of = lambda b_, h_, t_: t_
+    row = lambda b_, h_, t_: (b_, h_, 0, t_)
+    in_specs = ([pl.BlockSpec((None, None, cpb, r, dp), lambda b_, h_, t_: (b_, h_, 0, 0, 0))]
+                + _ctx_specs(ctx, tile, tile_of)
+                + [pl.BlockSpec((None, None, 1, tile), row),
+                   pl.BlockSpec((None, None, r, 1), lambda b_, h_, t_: (b_, h_, 0, 0)),
+                   pl.BlockSpec((None, r, 1), lambda b_, h_, t_: (b_, 0, 0))])
+    out_specs = [pl.BlockSpec((None, None, 1, tile), row)] * 2 + [
+        pl.BlockSpec((None, None, None, cpb, 1, dp), lambda b_, h_, t_: (b_, h_, t_, 0, 0, 0))]
+    out_shape = [jax.ShapeDtypeStruct((b, h, 1, s_len), jnp.float32)] * 2 + [
+        jax.ShapeDtypeStruct((b, h, nt, cpb, 1, dp), jnp.float32)]
+    msum, mmax, vsum = pl.pallas_call(
+        kernel, grid=(b, h, nt), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "parallel")),
+        interpret=_interpret(interpret), name="scored_attention_pass2_pool",
+    )(q_planes, *ctx.arrays, valid.astype(jnp.int32)[:, :, None, :], lse[..., None], w[..., None])
+    return msum[:, :, 0], mmax[:, :, 0], splitk.planes_to_channels(vsum[:, :, :, :, 0].sum(2))
+
+
+def distance(ctx: Ctx, centre_p, *, tile: int, interpret=False):
+    """Squared distance ||v_i - c||^2 [B, Hkv, S] of every context value to the centre
+    (centre_p [B, Hkv, cpb, Dp]): the value score of a non-mean pooling, whose centre needs
+    the pooled mass first (pass 3; reads the values only)."""
+    b, h, cpb, dp = centre_p.shape
+    vals = ctx.arrays[ctx.n_k:]
+    s_len = vals[0].shape[2]
+    n_v = len(vals)
+
+    def kernel(*refs):
+        d2_o = refs[n_v + 1]
+        d2_o[...] = _dist2(ctx.load_v(refs[:n_v]), refs[n_v])
+
+    row = lambda b_, h_, t_: (b_, h_, 0, t_)
+    in_specs = (_ctx_specs(ctx, tile, lambda b_, h_, t_: t_)[ctx.n_k:]
+                + [pl.BlockSpec((None, None, cpb, 1, dp), lambda b_, h_, t_: (b_, h_, 0, 0, 0))])
+    d2 = pl.pallas_call(
+        kernel, grid=(b, h, s_len // tile), in_specs=in_specs,
+        out_specs=pl.BlockSpec((None, None, 1, tile), row),
+        out_shape=jax.ShapeDtypeStruct((b, h, 1, s_len), jnp.float32),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "parallel")),
+        interpret=_interpret(interpret), name="scored_attention_distance",
+    )(*vals, centre_p.astype(jnp.float32)[:, :, :, None, :])
+    return d2[:, :, 0]

@@ -205,8 +205,8 @@ class QuestionAwareMaskAhead(MaskAhead):
                      so with step0_weight=0 it ranks as bounded prefill ranks, once
     The last five were measured on the testbed (docs/results.md §2c-3): none beats the defaults.
     question_pool    how the question probes pool their rows (reference.POOLS): "mean" (the
-                     released rule), "max", "mean+max", "max_joint"; other than "mean" their
-                     forwards read the cache with the jnp reference
+                     released rule), "max", "mean+max", "max_joint" (each computed in the
+                     attention kernels' statistics pass too)
     draft_tokens     n > 0: generate first runs this policy without a draft for n new tokens (at
                      most max_new_tokens), and bounded prefill's question probe reads that answer
                      in its mask blocks (`draft_pass`; block-causal models)

@@ -5,6 +5,8 @@ A policy is a frozen, hashable dataclass (a static jit argument). The engine
 (maskahead_jax/engine) knows none of its fields; it calls these hooks and nothing else:
 
   validate(cfg, gen)                     refuse settings that cannot run (PolicyError)
+  for_run(cfg, gen) -> Policy            this policy with its automatic knobs decided for the run
+                                         (the core runs the returned one; default: itself)
   plan(prompt_cap, total_cap, block, chunk) -> (prefill capacity, decode capacity), static
   empty_cache(L, B, Hkv, N, D, dtype, group_size=1)  the cache this policy stores into
   stat_rows(masked, active)              [B, T] step-0 queries pooled into the statistics, or
@@ -116,6 +118,11 @@ class Policy:
 
     def validate(self, cfg, gen) -> None:
         return None
+
+    def for_run(self, cfg, gen) -> "Policy":
+        """The policy the core runs for this model and generation config: itself, or a copy
+        with its automatic knobs fixed (Q-MaskAhead's open group for blocks of any size)."""
+        return self
 
     def plan(self, prompt_cap: int, total_cap: int, block_size: int, chunk: int = 512):
         """(capacity while prefilling, capacity while decoding); total_cap holds everything."""

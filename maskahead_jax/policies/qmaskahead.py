@@ -19,10 +19,14 @@ Selection and eviction are MaskAhead's; only the storage differs (cache.packed.Q
 
 Whole key groups: capacities and eviction budgets C(seen) are rounded *up* to multiples of 32.
 Blocks and prefill chunks that are multiples of 32 start every append on a group boundary.
-Other sizes (SDAR's 4-token blocks, 8 / 16, head sizes 64 / 96 / 128 all work) need
-`residual=True`: the cache keeps each lane's trailing partial key group in bf16 as well (the
-open group, cache/packed.py, counted in memory) and quantizes a group from those originals once
-it is complete; until then its slots hold codes of the tokens present.
+Other sizes (SDAR's 4-token blocks, 8 / 16; head sizes 64 / 96 / 128 all work) take the open
+group: the cache keeps each lane's trailing partial key group in bf16 as well (cache/packed.py,
+counted in memory) and quantizes a group from those originals once it is complete; until then
+its slots hold codes of the tokens present. `residual=None` (the default) turns it on exactly
+when the block size or the prefill chunk is not a multiple of 32 (`for_run` fixes it per run);
+True / False force it (False with such sizes is a PolicyError). Ragged per-lane budgets
+(head_alloc / layer_importance, q-maskahead-qa's default AdaKV) and lazy compaction work on whole
+groups only, so with such sizes they are a PolicyError that says so.
 
 Memory: generate's stats use the cache's `bytes_per_token` (payload + fp16 metadata + bf16
 residual, from the arrays) plus 10 B eviction state per kept entry, against a bf16 cache of every
@@ -69,9 +73,26 @@ class QMaskAhead(MaskAhead):
     bits: int = 4
     compact_dtype: str = "bfloat16"  # dtype of the gathered buffer of selected entries
     simulate: bool = False  # test reference: float cache on quantize -> dequantize values
-    residual: bool = False  # keep the bf16 open group: blocks / prefill chunks of any size
+    # keep the bf16 open group (blocks / prefill chunks of any size): None = exactly when the
+    # block size or the prefill chunk is not a multiple of 32 (`for_run`); True / False force it
+    residual: Optional[bool] = None
     compaction: str = "requantize"  # eviction: requantize (ours) | lazy (released default)
     repack_below: float = 1.0  # lazy: a key group keeping >= this share of its entries stays bit-exact
+
+    @staticmethod
+    def unaligned(gen) -> list[str]:
+        """The append sizes of `gen` that are not whole key groups, e.g. ["block_size=4"]."""
+        return [f"{what}={n}" for what, n in (("block_size", gen.block_size),
+                                                ("prefill_chunk", gen.prefill_chunk)) if n % quant.GROUP]
+
+    def open_group(self, gen) -> bool:
+        """Whether this run keeps the bf16 open group: `residual`, or when it is None whether
+        a block or a prefill chunk is not a whole number of key groups."""
+        return bool(self.unaligned(gen)) if self.residual is None else bool(self.residual)
+
+    def for_run(self, cfg, gen) -> "QMaskAhead":
+        """This policy with `residual` decided for the run's block size and prefill chunk."""
+        return self if self.residual is not None else dataclasses.replace(self, residual=self.open_group(gen))
 
     def validate(self, cfg, gen) -> None:
         super().validate(cfg, gen)
@@ -82,18 +103,23 @@ class QMaskAhead(MaskAhead):
                               "block-causal core's; the bidirectional core keeps a float cache)")
         g = quant.GROUP
         ev = self.eviction
-        if ev is not None and ev.allocation.ragged and (self.compaction == "lazy" or self.residual):
+        res = self.open_group(gen)
+        why = ("residual=True" if self.residual else
+               f"{', '.join(self.unaligned(gen))}: not multiples of {g}, so the bf16 open group (residual) is on")
+        if ev is not None and ev.allocation.ragged and (self.compaction == "lazy" or res):
             raise PolicyError("layer_importance / head_alloc (ragged per-lane budgets, whole key groups per "
-                              "lane) need compaction='requantize' and residual=False")
+                              "lane) need compaction='requantize' and no open group"
+                              + (f" ({why}); use head_alloc='uniform' or block_size / prefill_chunk "
+                                 f"multiples of {g}" if res else ""))
         if self.compaction not in COMPACTIONS:
             raise PolicyError(f"compaction must be one of {'|'.join(COMPACTIONS)}, got {self.compaction!r}")
         if not 0.0 < float(self.repack_below) <= 1.0:
             raise PolicyError(f"repack_below must be in (0, 1], got {self.repack_below}")
         if self.compaction == "lazy":
-            bad = [w for w, on in (("residual=True", self.residual), ("simulate=True", self.simulate)) if on]
+            bad = [w for w, on in ((why, res), ("simulate=True", self.simulate)) if on]
             if bad:
                 raise PolicyError(f"compaction='lazy' works on the packed cache without the open group; "
-                                  f"drop {' and '.join(bad)}")
+                                  f"{' and '.join(bad)}")
             if self.recent and self.interval_blocks * gen.block_size < self.recent:
                 raise PolicyError(f"compaction='lazy' leaves slots out of position order, so the recent "
                                   f"window ({self.recent}) must be refilled by the interval_blocks * block_size "
@@ -101,10 +127,10 @@ class QMaskAhead(MaskAhead):
         if cfg.head_dim % g:
             raise PolicyError(f"q-maskahead needs head_dim to be a multiple of {g} (value groups "
                               f"of {g} channels), got {cfg.head_dim}")
-        for what, n in (("block_size", gen.block_size), ("prefill_chunk", gen.prefill_chunk)):
-            if n % g and not self.residual:
-                raise PolicyError(f"q-maskahead needs {what} to be a multiple of {g}, got {n}; "
-                                  "residual=True keeps the partial key group in bf16 (any size)")
+        if self.residual is False and self.unaligned(gen):
+            raise PolicyError(f"q-maskahead with residual=False needs block_size and prefill_chunk to be "
+                              f"multiples of {g}, got {', '.join(self.unaligned(gen))}; leave residual "
+                              f"unset (or True) to keep the partial key group in bf16 (any size)")
 
     # ------------------------------------------------------------------ parts (whole key groups)
     def budget(self) -> Budget:
@@ -134,10 +160,10 @@ class QMaskAhead(MaskAhead):
 
     # ------------------------------------------------------------------ storage
     def empty_cache(self, num_layers, batch, kv_heads, capacity, head_dim, dtype=jnp.bfloat16, group_size=1):
+        res = bool(self.residual)  # None (automatic) is decided by for_run before the engine runs
         if self.simulate:
-            return simulated.sim_empty(num_layers, batch, kv_heads, capacity, head_dim, dtype, self.bits,
-                                       self.residual)
-        c = packed.empty(num_layers, batch, kv_heads, capacity, head_dim, self.bits, self.residual)
+            return simulated.sim_empty(num_layers, batch, kv_heads, capacity, head_dim, dtype, self.bits, res)
+        c = packed.empty(num_layers, batch, kv_heads, capacity, head_dim, self.bits, res)
         return packed.lazy_type(self.need)(*c) if self.compaction == "lazy" else c
 
 
@@ -145,8 +171,9 @@ class QMaskAhead(MaskAhead):
 class QuestionAwareQMaskAhead(QMaskAhead, QuestionAwareMaskAhead):
     """`maskahead-qa` on the packed low-bit cache (ours): QuestionAwareMaskAhead's eviction parts
     (its `eviction` property, through the MRO) with QMaskAhead's storage, whole-key-group budgets
-    and checks, and AdaKV's head budgets by default (head_alloc="uniform": one C per lane). Bounded prefill's chunks must be multiples of 32 (or residual=True), as every
-    append into the packed cache."""
+    and checks, and AdaKV's head budgets by default (head_alloc="uniform": one C per lane). AdaKV's
+    ragged lanes need whole key groups: blocks and (bounded prefill's) chunks that are multiples
+    of 32, or head_alloc="uniform" for other sizes (the open group, QMaskAhead.residual)."""
 
     name = "q-maskahead-qa"
     # dataclass fields merge along the MRO with QMaskAhead's (MaskAhead's) defaults last, so
@@ -165,8 +192,8 @@ class DraftedQMaskAhead(QuestionAwareQMaskAhead):
     new tokens (at most the run's max_new_tokens), and bounded prefill's question probe then reads
     that answer instead of mask blocks, its rows pooled by mean + max. The same memory as
     q-maskahead-qa (each pass is bounded); about twice the forwards (a second prefill and the
-    drafted tokens); the probe forwards read the cache with the jnp reference (the kernels pool by
-    the mean only). 96 = three blocks of 32 (the testbed's and Fast-dLLM v2's block size)."""
+    drafted tokens); with attention kernels the probe forwards pool by mean + max in the kernels'
+    statistics pass (on a GPU the Triton ones: dispatch.pool_impl). 96 = three blocks of 32 (the testbed's and Fast-dLLM v2's block size)."""
 
     name = "q-maskahead-draft"
     draft_tokens: int = 96
