@@ -12,7 +12,7 @@ step-0 block plus lookahead_blocks - 1 mask blocks adds its mass to the step-0 m
 `recent` newest entries, positions < `sinks`, and the top C - recent by A_i * ||v_i - c'||;
 survivors are compacted (position order) into a smaller static buffer.
 
-Question probe (ours, off by default; results §2d): with question_tokens = N > 0 the first
+Question probe (ours, off by default; docs/results.md §2c): with question_tokens = N > 0 the first
 eviction after the prompt probes the prompt's last N tokens at their real positions plus
 lookahead_blocks - 1 mask blocks after the prompt, in place of the step-0 block and its
 lookahead (the step-0 mass is still added); pin_question keeps that span. Bounded prefill

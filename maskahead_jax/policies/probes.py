@@ -15,7 +15,7 @@ pre-eviction cache, and returns the pooled attention mass [L, B, Hkv, N]. Each c
   PromptWindow(window)  SnapKV: the last `window` prompt tokens at their own positions over the
                         whole stored prompt, i.e. the queries and the joint softmax of the final
                         prefill chunk's last `window` rows (exactly so for window <= block_size)
-  Question(tokens, blocks)  ours (docs/results.md §2d): the prompt's last `tokens` tokens at their
+  Question(tokens, blocks)  ours (docs/results.md §2c): the prompt's last `tokens` tokens at their
                         real positions plus blocks - 1 mask blocks after the prompt, all attending
                         to each other; scaled by `blocks` (the lookahead's weighting). With
                         `draft`, the mask blocks open with a first pass's answer (ctx.draft)
