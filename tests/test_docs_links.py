@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -29,12 +30,13 @@ MORE_REFS = re.compile(r"\s*(?:,|/|and|to|or)\s*" + SECTION)
 OLD_VERSION = re.compile(r"[0-9a-f]{7,40}:(?:docs/)?$")
 
 
-def _walk(pattern: str):
-    for path in sorted(ROOT.rglob(pattern)):
-        rel = path.relative_to(ROOT)
-        if any(part in SKIP_DIRS or part.endswith(".egg-info") for part in rel.parts[:-1]):
-            continue
-        yield path
+def _walk(suffix: str):
+    """The repository's files ending in suffix, outside virtual environments, run folders, etc."""
+    for top, dirs, files in os.walk(ROOT):
+        dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS and not d.endswith(".egg-info"))
+        for f in sorted(files):
+            if f.endswith(suffix):
+                yield Path(top) / f
 
 
 def doc_files() -> list[Path]:
@@ -146,8 +148,8 @@ def test_results_section_references_resolve():
     sections = section_numbers()
     assert {"1", "2", "2c", "3", "4"} <= sections
     bad = []
-    for pattern in ("*.md", "*.py"):
-        for path in _walk(pattern):
+    for suffix in (".md", ".py"):
+        for path in _walk(suffix):
             text = path.read_text(encoding="utf-8", errors="replace")
             for sec, at in results_refs(text):
                 if sec not in sections:
