@@ -1,9 +1,10 @@
-"""The `maskahead` command: convert, generate, eval, profile, demo.
+"""The `maskahead` command: convert, generate, eval, profile, lower, demo.
 
     maskahead demo
     maskahead generate --prompt "..." --policy maskahead --capacity 10
     maskahead eval --suite --policies dense,maskahead,streaming --capacity 5,10,20 --out runs/eval
     maskahead profile --shape fast-dllm-v2-7b --prompt-len 8192 --out-len 256 --batch 1,8,32
+    maskahead lower --platform tpu,cuda --shape all --prompt-len 8192 --mesh none --mesh data=2,model=4
     maskahead convert SRC DST [--dtype bfloat16]
 """
 from __future__ import annotations
@@ -444,7 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("profile", help="systems profile (prefill / decode / e2e, peak KV, serving capacity)")
     _add_model(p)
-    p.add_argument("--shape", default=None, help="random-weight real-model shape: fast-dllm-v2-7b, sdar-8b, llada2-mini")
+    p.add_argument("--shape", default=None, help="random-weight real-model shape: fast-dllm-v2-7b, sdar-8b, llada-8b, llada2-mini")
     p.add_argument("--layers", type=_pos_int, default=None, help="with --shape: use fewer layers (smoke runs)")
     p.add_argument("--prompt-len", type=_pos_int, default=1024)
     p.add_argument("--out-len", type=_pos_int, default=256)
@@ -457,6 +458,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="write the full result as JSON to this file (atomically); "
                                                 "stdout gets a table")
     p.add_argument("--json", action="store_true", help="print the JSON on stdout instead of the table")
+
+    lo = sub.add_parser("lower", help="lower the generate programs for TPU / CUDA without a device (and --plan: "
+                                      "the per-device memory plan)")
+    _add_lower_args(lo)
 
     d = sub.add_parser("demo", help="testbed needle prompts: dense vs MaskAhead side by side")
     d.add_argument("--tasks", default="passkey,multikey",
@@ -786,6 +791,72 @@ def cmd_profile(args) -> int:
     return EXIT_OK
 
 
+def _add_lower_args(p) -> None:
+    p.add_argument("--platform", default="tpu,cuda", help="tpu, cuda or both, comma-separated (lowering only)")
+    p.add_argument("--shape", default="fast-dllm-v2-7b",
+                   help="model shapes, comma-separated, or all: fast-dllm-v2-7b, sdar-8b, llada-8b, llada2-mini")
+    p.add_argument("--prompt-len", default="8192", help="prompt lengths in tokens, comma-separated")
+    p.add_argument("--policies", default="default",
+                   help="comma-separated, name or name[knob=value,...] (default: dense, maskahead, "
+                        "q-maskahead[bits=4], q-maskahead[bits=2] on block-causal shapes; dense, maskkv on "
+                        "bidirectional ones)")
+    p.add_argument("--mesh", action="append", default=None,
+                   help="device mesh, e.g. data=2,model=4 (abstract: no devices needed), or none (one device); "
+                        "repeat for several (default: none)")
+    p.add_argument("--batch", default=None,
+                   help="batch sizes, comma-separated (default: the mesh's data size; --plan: 1,8,32)")
+    p.add_argument("--out-len", type=_pos_int, default=256, help="new tokens per prompt")
+    p.add_argument("--capacity", type=_capacity, default=10.0, help="budget of the evicting policies, %%")
+    p.add_argument("--plan", action="store_true",
+                   help="the per-device memory plan on 8 chips (mesh seq=2,model=4 at batch 1, data=2,model=4 "
+                        "otherwise: params, KV accounting and buffers, XLA's buffer plan of a CPU compile) and the "
+                        "largest batch per accelerator, instead of lowering (docs/sharding.md)")
+    p.add_argument("--no-compile", action="store_true", help="--plan without the CPU compiles (no XLA temp)")
+    p.add_argument("--known-failures", default=None, metavar="FILE",
+                   help="lines 'platform shape policy mesh reason' (fnmatch patterns, mesh none = one device): "
+                        "matching failures are reported but do not fail the run (.ci/lower_known_failures.txt)")
+    p.add_argument("--json", action="store_true", help="print the JSON instead of the table")
+
+
+def cmd_lower(args) -> int:
+    from . import lowering as LW
+
+    shapes = LW.shape_names(args.shape)
+    lens = _pos_ints(args.prompt_len, "--prompt-len")
+    batches = _pos_ints(args.batch, "--batch") if args.batch else None
+    pols = None if args.policies.strip() == "default" else [x.strip() for x in _split_items(args.policies) if x.strip()]
+    if args.plan:
+        if len(shapes) != 1:
+            raise CLIError("--plan takes one --shape")
+        plan = LW.memory_plan(shapes[0], lens, batches or (1, 8, 32), pols, args.out_len, args.capacity,
+                              compile_temps=not args.no_compile, log=sys.stderr)
+        print(json.dumps(plan, indent=1) if args.json else LW.plan_table(plan))
+        return EXIT_FAILED if any("xla_error" in r for r in plan["rows"]) else EXIT_OK
+    plats = _csv(args.platform)
+    bad = [x for x in plats if x not in LW.TARGETS]
+    if bad or not plats:
+        raise CLIError(f"--platform {args.platform!r}: choose from {', '.join(LW.TARGETS)}")
+    meshes = [None if m.strip().lower() in ("", "none", "1") else m for m in (args.mesh or ["none"])]
+    for m in meshes:
+        LW.mesh_sizes_of(m)  # a bad spec: ValueError, before any lowering
+    known = LW.read_known_failures(args.known_failures) if args.known_failures else []
+    rows = []
+    for b in (batches or [None]):
+        rows += LW.lower_matrix(plats, shapes, lens, pols, meshes, b, args.out_len, args.capacity,
+                                log=sys.stderr if args.json else sys.stdout)
+    LW.mark_known_failures(rows, known)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    print(f"maskahead lower: {LW.matrix_summary(rows)}", file=sys.stderr)
+    return EXIT_FAILED if LW.unexpected_failures(rows) else EXIT_OK
+
+
+def _split_items(text: str) -> list:
+    from .evaluation.policies import split_items
+
+    return split_items(text)
+
+
 def cmd_demo(args) -> int:
     from .evaluation.datasets import load_tokenizer, score_example, testbed_suite
     from .evaluation.policies import (knobs, make_policy, parse_policy_kw, policy_key, resolve_policy_kw,
@@ -905,7 +976,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return EXIT_INTERRUPTED
     args = build_parser().parse_args(argv)  # usage errors: argparse's one line, exit 2
 
-    fn = dict(generate=cmd_generate, eval=cmd_eval, profile=cmd_profile, demo=cmd_demo)[args.cmd]
+    fn = dict(generate=cmd_generate, eval=cmd_eval, profile=cmd_profile, lower=cmd_lower, demo=cmd_demo)[args.cmd]
     try:
         if debug:  # Ctrl-C raises KeyboardInterrupt, for its traceback
             return fn(args)

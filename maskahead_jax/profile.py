@@ -49,7 +49,7 @@ import numpy as np
 
 from .config import FAMILY_DEFAULTS, GenerationConfig, ModelConfig
 
-# research/models.md §1.1, §2.1, §5
+# research/models.md §1.1, §2.1, §4.1, §5
 SHAPES = {
     "fast-dllm-v2-7b": dict(family="fast_dllm_v2", layout="qwen2", vocab_size=152064, hidden_size=3584,
                             num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128,
@@ -63,6 +63,10 @@ SHAPES = {
                         rotary_dim=64, rope_theta=600000.0, num_experts=256, num_experts_per_tok=8,
                         moe_intermediate_size=512, num_shared_experts=1, first_k_dense_replace=1,
                         n_group=8, topk_group=4, routed_scaling_factor=2.5, max_position_embeddings=32768),
+    # research/models.md §4.1: plain MHA, fully bidirectional, trained to 4096 positions
+    "llada-8b": dict(family="llada", layout="llada", vocab_size=126464, hidden_size=4096, num_layers=32,
+                     num_heads=32, num_kv_heads=32, head_dim=128, intermediate_size=12288, rms_eps=1e-5,
+                     rope_theta=500000.0, max_position_embeddings=4096),
 }
 SHAPE_PRESET = {"fast-dllm-v2-7b": "fast-dllm-v2", "sdar-8b": "sdar", "llada2-mini": "llada2-mini"}
 

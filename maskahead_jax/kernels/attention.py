@@ -54,9 +54,10 @@ _CURRENT: contextvars.ContextVar[Choice] = contextvars.ContextVar("maskahead_att
 
 
 def resolve(name: str, backend: Optional[str] = None) -> str:
-    """The implementation `name` means on `backend` (default: jax's): "reference" or a
-    dispatch impl. Unknown names are a ValueError that lists the valid ones."""
-    backend = backend or jax.default_backend()
+    """The implementation `name` means on `backend` (default: the trace's target,
+    dispatch.target_backend: jax's default backend unless an abstract mesh names a device):
+    "reference" or a dispatch impl. Unknown names are a ValueError that lists the valid ones."""
+    backend = backend or dispatch.target_backend()
     if name in ("auto", "kernels"):
         kernel = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(backend)
         if kernel is None:

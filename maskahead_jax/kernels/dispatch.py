@@ -59,10 +59,18 @@ def _triton_available() -> bool:
     return True
 
 
+def target_backend() -> str:
+    """The backend a trace is for: the platform of the abstract device of the context's abstract
+    mesh when there is one (``jax.sharding.use_abstract_mesh``, e.g. lowering for a TPU on a CPU
+    machine: maskahead_jax/lowering.py), else ``jax.default_backend()``."""
+    dev = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    return dev.platform if dev is not None else jax.default_backend()
+
+
 def resolve_impl(impl: Optional[str] = None, packed: bool = False) -> str:
-    """The implementation to run: `impl` when given (checked), else by the default backend."""
+    """The implementation to run: `impl` when given (checked), else by the target backend."""
     if impl is None:
-        backend = jax.default_backend()
+        backend = target_backend()
         if packed and backend == "gpu":
             if _jax_version() <= GPU_PACKED_CHECKED_UP_TO and _triton_available():
                 return GPU_PACKED_IMPL
