@@ -812,6 +812,9 @@ def _add_lower_args(p) -> None:
                         "otherwise: params, KV accounting and buffers, XLA's buffer plan of a CPU compile) and the "
                         "largest batch per accelerator, instead of lowering (docs/sharding.md)")
     p.add_argument("--no-compile", action="store_true", help="--plan without the CPU compiles (no XLA temp)")
+    p.add_argument("--compile-cache", default=None, metavar="FILE",
+                   help="--plan: JSON lines of the CPU compiles' buffer plans, reused and extended (they are "
+                        "deterministic per case)")
     p.add_argument("--known-failures", default=None, metavar="FILE",
                    help="lines 'platform shape policy mesh reason' (fnmatch patterns, mesh none = one device): "
                         "matching failures are reported but do not fail the run (.ci/lower_known_failures.txt)")
@@ -829,7 +832,7 @@ def cmd_lower(args) -> int:
         if len(shapes) != 1:
             raise CLIError("--plan takes one --shape")
         plan = LW.memory_plan(shapes[0], lens, batches or (1, 8, 32), pols, args.out_len, args.capacity,
-                              compile_temps=not args.no_compile, log=sys.stderr)
+                              compile_temps=not args.no_compile, cache_file=args.compile_cache, log=sys.stderr)
         print(json.dumps(plan, indent=1) if args.json else LW.plan_table(plan))
         return EXIT_FAILED if any("xla_error" in r for r in plan["rows"]) else EXIT_OK
     plats = _csv(args.platform)

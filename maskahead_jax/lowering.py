@@ -36,8 +36,8 @@ end, `kv_accounting`), the policy's static cache buffers (its `plan` capacities,
 evaluated abstractly) and XLA's buffer plan of the whole program (`compiled.memory_analysis()`
 of a CPU compile under the same mesh on forced host devices, in a child process: the jnp
 reference attention and float32 weights, `compile_memory`). The fit and the largest batch per
-accelerator follow from those numbers (`max_batches`, each estimate compiled to check it;
-`plan_table`).
+accelerator follow from those numbers (the largest batch by compiling candidates,
+`search_max_batches`; `plan_table`).
 """
 from __future__ import annotations
 
@@ -496,7 +496,7 @@ def compile_memory(shape: str, policy: str, prompt_len: int, batch: int, mesh: s
     return out
 
 
-def _compile_in_subprocess(cases: list[dict], devices: int, log=None) -> list[dict]:
+def _compile_in_subprocess(cases: list[dict], devices: int, log=None, on_result=None) -> list[dict]:
     """compile_memory of every case in one child process with `devices` forced CPU devices (they
     must be set before JAX initialises). Returns one dict per case (an `error` on failure)."""
     env = dict(os.environ)
@@ -515,6 +515,8 @@ def _compile_in_subprocess(cases: list[dict], devices: int, log=None) -> list[di
         if line.startswith("{"):
             res = json.loads(line)
             out.append(res)
+            if on_result is not None:
+                on_result(cases[len(out) - 1], res)
             if log is not None:
                 c = res["case"]
                 what = (f"temp {res['temp'] / 2**30:.2f} GiB, compile {res['compile_s']} s" if "temp" in res
@@ -544,14 +546,17 @@ def _compile_worker() -> int:
 def memory_plan(shape: str = "fast-dllm-v2-7b", prompt_lens: Sequence[int] = (8192, 32768, 131072),
                 batches: Sequence[int] = (1, 8, 32), policies: Optional[Sequence[str]] = None,
                 out_len: int = OUT_LEN, capacity: float = CAPACITY, compile_temps: bool = True,
-                verify: bool = True, log=None) -> dict:
+                search_rounds: int = 4, cache: Optional[dict] = None, cache_file: Optional[str] = None,
+                log=None) -> dict:
     """Per-device memory of every (prompt length, batch, policy) on an 8-chip mesh (plan_mesh):
     rows with params (bf16), kv_dense / kv_peak / kv_end (the engine's accounting, per device),
     kv_buffer_prefill / kv_buffer_decode (static buffers), xla_temp / xla_output (CPU compile,
     when compile_temps: `compile_memory`; the temporaries hold the cache, which lives inside the
     program) and need (= params + xla_output + xla_temp, else params + the larger KV buffer);
-    then `fits` and `max_batch` per accelerator (HARDWARE: `max_batches`, each estimate compiled
-    and its need recorded when verify)."""
+    then `fits`, and `max_batch` per accelerator (HARDWARE) found by compiling
+    (`search_max_batches`, search_rounds rounds). cache: {case_key: compile result}, reused and
+    filled; cache_file: a JSON-lines file of them (read, and appended as compiles finish)."""
+    cache = {**(load_compile_cache(cache_file) if cache_file else {}), **(cache or {})}
     from .sharding import kv_bytes_per_device
 
     policies = list(policies or default_policies(shape))
@@ -578,8 +583,7 @@ def memory_plan(shape: str = "fast-dllm-v2-7b", prompt_lens: Sequence[int] = (81
                 cases.append(dict(shape=shape, policy=label, prompt_len=n, batch=b, mesh=mesh, out_len=out_len,
                                   capacity=capacity))
     if compile_temps:
-        devices = max(math.prod(mesh_sizes_of(c["mesh"]).values()) for c in cases)
-        for row, res in zip(rows, _compile_in_subprocess(cases, devices, log)):
+        for row, res in zip(rows, compile_cases(cases, cache, log, cache_file)):
             if "error" in res:
                 row["xla_error"] = res["error"]
                 continue
@@ -590,9 +594,9 @@ def memory_plan(shape: str = "fast-dllm-v2-7b", prompt_lens: Sequence[int] = (81
                                        else max(row["kv_buffer_prefill"], row["kv_buffer_decode"]))
         row["fits"] = {hw: row["need"] <= gb * 2**30 for hw, gb in HARDWARE.items()}
     plan = dict(shape=shape, out_len=out_len, capacity_pct=capacity, hardware_gib=dict(HARDWARE),
-                rows=rows, max_batch=max_batches(rows))
-    if compile_temps and verify:
-        verify_max_batches(plan, log)
+                rows=rows, max_batch=[])
+    if compile_temps and search_rounds:
+        search_max_batches(plan, search_rounds, cache, log, cache_file)
     return plan
 
 
@@ -609,59 +613,112 @@ def _params_per_device(cfg, mesh) -> int:
     return int(sum(jax.tree_util.tree_leaves(sizes)))
 
 
-def max_batches(rows: Sequence[dict]) -> list[dict]:
-    """The largest batch that fits each accelerator per (prompt length, policy), an estimate: the
-    per-device need taken as affine in the batch through the two largest batches measured, with a
-    slope of at least the KV peak's (XLA shares memory between buffers that are not live at once,
-    e.g. the prompt cache of prefill and the weight slices of the decode loop, so a constant of
-    one phase can hide the other's growth between two batches); rounded down to whole data
-    shards; below the two points only measured batches count (0: none fits)."""
-    out = []
-    order = list(dict.fromkeys(r["policy"] for r in rows))
-    for n, pol in sorted({(r["prompt_len"], r["policy"]) for r in rows}, key=lambda k: (k[0], order.index(k[1]))):
-        pts = sorted((r["batch"], r["need"], r["kv_peak"], r["mesh"]) for r in rows
-                     if r["prompt_len"] == n and r["policy"] == pol)
+def _even_down(x: float, d: int) -> int:
+    return int(x // d * d)
+
+
+def _next_candidate(pts: dict, hbm: float, d: int) -> Optional[int]:
+    """The next batch to compile in the search for the largest that fits `hbm`, from the needs
+    measured so far (pts {batch: need}), or None when the bracket is closed (or nothing fits)."""
+    fit = [b for b, need in pts.items() if need <= hbm]
+    if not fit:
+        return None
+    lo = max(fit)
+    over = [b for b in pts if b > lo]
+    if not over:  # extrapolate from the two largest batches
+        (b1, n1), (b2, n2) = sorted(pts.items())[-2:]
+        slope = (n2 - n1) / (b2 - b1)
+        c = _even_down(b2 + (hbm - n2) / slope, d) if slope > 0 else None
+        return c if c is not None and c > lo else None
+    hi = min(over)
+    if hi - lo <= max(d, lo // 20):  # within 5% (or one data shard)
+        return None
+    c = _even_down(lo + (hbm - pts[lo]) * (hi - lo) / (pts[hi] - pts[lo]), d)
+    c = min(max(c, lo + d - lo % d), hi - d)  # whole data shards
+    return c if lo < c < hi and c not in pts else None
+
+
+def search_max_batches(plan: dict, rounds: int = 4, cache: Optional[dict] = None, log=None,
+                       cache_file: Optional[str] = None) -> None:
+    """The largest batch that fits each accelerator per (prompt length, policy), found by
+    compiling: starting from the plan's rows, each round compiles one candidate per open search
+    (linear interpolation between the largest batch that fits and the smallest that does not,
+    extrapolation past the largest measured; mesh data=2,model=4, whole data shards) until the
+    bracket is within 5%. plan["max_batch"]: per (prompt length, policy) and accelerator the
+    largest batch measured to fit (0: none) and `{hw}_over`, the smallest measured that does not."""
+    d = mesh_sizes_of(PLAN_MESH)["data"]
+    order = list(dict.fromkeys(r["policy"] for r in plan["rows"]))
+    keys = sorted({(r["prompt_len"], r["policy"]) for r in plan["rows"]}, key=lambda k: (k[0], order.index(k[1])))
+    params = {r["prompt_len"]: r["params"] for r in plan["rows"]}
+    pts = {k: {r["batch"]: r["need"] for r in plan["rows"] if (r["prompt_len"], r["policy"]) == k} for k in keys}
+    for key, res in (cache or {}).items():  # batches compiled before (an earlier search): more points
+        shape, pol, n, b, mesh, out_len, cap = json.loads(key)
+        if (shape, mesh, out_len, cap) == (plan["shape"], PLAN_MESH, plan["out_len"], plan["capacity_pct"]) \
+                and (n, pol) in pts and b not in pts[(n, pol)] and b % d == 0 and "temp" in res:
+            pts[(n, pol)][b] = params[n] + res["output"] + res["temp"]
+    for _ in range(rounds):
+        todo = sorted({(k, c) for k in keys for gb in HARDWARE.values()
+                       for c in [_next_candidate(pts[k], gb * 2**30, d)] if c is not None})
+        if not todo:
+            break
+        cases = [dict(shape=plan["shape"], policy=pol, prompt_len=n, batch=b, mesh=PLAN_MESH, out_len=plan["out_len"],
+                      capacity=plan["capacity_pct"]) for (n, pol), b in todo]
+        for ((n, pol), b), res in zip(todo, compile_cases(cases, cache, log, cache_file)):
+            if "temp" not in res:
+                raise RuntimeError(f"compile of {pol} at {n} tokens, batch {b} failed: {res.get('error')}")
+            pts[(n, pol)][b] = params[n] + res["output"] + res["temp"]
+    plan["max_batch"] = []
+    for n, pol in keys:
         rec = dict(prompt_len=n, policy=pol)
         for hw, gb in HARDWARE.items():
-            hbm = gb * 2**30
-            fit = [b for b, need, _, _ in pts if need <= hbm]
-            best = max(fit, default=0)
-            if len(pts) >= 2:
-                (b1, n1, k1, _), (b2, n2, k2, m) = pts[-2], pts[-1]
-                slope = max((n2 - n1) / (b2 - b1), (k2 - k1) / (b2 - b1))
-                if slope > 0:
-                    d = mesh_sizes_of(m)["data"]
-                    est = int((b2 + (hbm - n2) / slope) // d * d)
-                    if est >= b1:
-                        best = max(best, est)
-            rec[hw] = best
-        out.append(rec)
-    return out
+            fit = [b for b, need in pts[(n, pol)].items() if need <= gb * 2**30]
+            rec[hw] = max(fit, default=0)
+            rec[f"{hw}_over"] = min((b for b in pts[(n, pol)] if b > rec[hw]), default=None)
+        rec["needs"] = {str(b): v for b, v in sorted(pts[(n, pol)].items())}
+        plan["max_batch"].append(rec)
 
 
-def verify_max_batches(plan: dict, log=None) -> None:
-    """Compile the program at each estimated largest batch that was not measured (mesh
-    data=2,model=4) and record its need per device: plan["max_batch"][i][f"{hw}_need"]."""
-    todo = {}
-    for m in plan["max_batch"]:
-        for hw in HARDWARE:
-            b = m[hw]
-            measured = any(r["batch"] == b and r["prompt_len"] == m["prompt_len"] and r["policy"] == m["policy"]
-                           for r in plan["rows"])
-            if b > 0 and not measured:
-                todo[(m["prompt_len"], m["policy"], b)] = None
-    cases = [dict(shape=plan["shape"], policy=pol, prompt_len=n, batch=b, mesh=PLAN_MESH, out_len=plan["out_len"],
-                  capacity=plan["capacity_pct"]) for n, pol, b in todo]
-    devices = math.prod(mesh_sizes_of(PLAN_MESH).values())
-    params = {n: r["params"] for r in plan["rows"] for n in [r["prompt_len"]]}
-    for c, res in zip(cases, _compile_in_subprocess(cases, devices, log) if cases else []):
-        todo[(c["prompt_len"], c["policy"], c["batch"])] = (
-            None if "temp" not in res else params[c["prompt_len"]] + res["output"] + res["temp"])
-    for m in plan["max_batch"]:
-        for hw in HARDWARE:
-            row = next((r for r in plan["rows"] if r["batch"] == m[hw] and r["prompt_len"] == m["prompt_len"]
-                        and r["policy"] == m["policy"]), None)
-            m[f"{hw}_need"] = row["need"] if row is not None else todo.get((m["prompt_len"], m["policy"], m[hw]))
+def case_key(c: dict) -> str:
+    return json.dumps([c["shape"], c["policy"], c["prompt_len"], c["batch"], mesh_label(c["mesh"]),
+                       c.get("out_len", OUT_LEN), c.get("capacity", CAPACITY)])
+
+
+def load_compile_cache(path: str) -> dict:
+    """{case_key: result} from a JSON-lines file of {"key", "result"} ({} when it does not exist)."""
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return {d["key"]: d["result"] for d in map(json.loads, filter(str.strip, f))}
+
+
+def save_compile_cache(path: str, cache: dict) -> None:
+    with open(path, "w") as f:
+        for k, v in cache.items():
+            f.write(json.dumps(dict(key=k, result=v)) + "\n")
+
+
+def compile_cases(cases: list[dict], cache: Optional[dict] = None, log=None, cache_file: Optional[str] = None) -> list[dict]:
+    """compile_memory of each case (in a child process with enough forced devices), reusing and
+    filling `cache` ({case_key: result}: the buffer plans are deterministic); each new result is
+    also appended to `cache_file` as it arrives."""
+    cache = {} if cache is None else cache
+    todo = [c for c in cases if case_key(c) not in cache]
+    failed = {}
+    if todo:
+        devices = max(math.prod(mesh_sizes_of(c["mesh"]).values()) for c in todo)
+
+        def keep(c, res):
+            res = {k: v for k, v in res.items() if k != "case"}
+            if "temp" not in res:
+                failed[case_key(c)] = res
+                return
+            cache[case_key(c)] = res
+            if cache_file:
+                with open(cache_file, "a") as f:
+                    f.write(json.dumps(dict(key=case_key(c), result=res)) + "\n")
+
+        _compile_in_subprocess(todo, devices, log, on_result=keep)
+    return [cache.get(case_key(c)) or failed.get(case_key(c), {"error": "not compiled"}) for c in cases]
 
 
 def _gib(v) -> str:
@@ -681,15 +738,14 @@ def plan_table(plan: dict) -> str:
                  _gib(r.get("xla_temp")) if "xla_error" not in r else "error", _gib(r["need"])]
         cells += ["yes" if r["fits"][hw] else "no" for hw in hws]
         lines.append("| " + " | ".join(cells) + " |")
+    if not plan["max_batch"]:
+        return "\n".join(lines)
     lines += ["", "| prompt | policy | " + " | ".join(f"max batch {hw} ({plan['hardware_gib'][hw]} GiB)" for hw in hws)
               + " |", "|---|---|" + "---|" * len(hws)]
 
     def cell(m, hw):
-        need = m.get(f"{hw}_need")
-        if need is None:
-            return str(m[hw])
-        ok = need <= plan["hardware_gib"][hw] * 2**30
-        return f"{m[hw]} ({_gib(need)}{'' if ok else ' GiB: over'})"
+        over = m.get(f"{hw}_over")
+        return f"{m[hw]}" + (f" (not {over})" if over is not None else "")
 
     for m in plan["max_batch"]:
         lines.append(f"| {m['prompt_len'] // 1024}k | {m['policy']} | " + " | ".join(cell(m, hw) for hw in hws) + " |")
