@@ -361,7 +361,6 @@ def _add_model(p, default_testbed=True):
                         "the trained range)")
 
 
-
 def _add_mesh(parser) -> None:
     parser.add_argument("--mesh", default=None,
                         help="device mesh, e.g. data=2,model=4 or seq=4 (docs/sharding.md); multi-process: "
