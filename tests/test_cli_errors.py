@@ -355,7 +355,7 @@ def test_profile_is_a_library_module():
                        capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
         "maskahead profile: error: unknown model shape 'gpt-5'; choose one of "
-        "['fast-dllm-v2-7b', 'llada2-mini', 'sdar-8b']")
+        "['fast-dllm-v2-7b', 'llada-8b', 'llada2-mini', 'sdar-8b']")
 
 
 # ----------------------------------------------------------------------------- issue 50: misc inputs

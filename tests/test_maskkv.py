@@ -162,7 +162,7 @@ def test_calibration_importance_and_cli(tmp_path, monkeypatch):
     both = layer_importance(m, [[r1, r2]])
     sep = (layer_importance(m, [[r1]]) * 12 + layer_importance(m, [[r2]]) * 7) / 19
     np.testing.assert_allclose(both, sep, rtol=1e-4, atol=1e-6)
-    monkeypatch.setattr("maskahead_jax.api.load_pretrained", lambda path, dtype=None: m)
+    monkeypatch.setattr("maskahead_jax.api.load_pretrained", lambda path, dtype=None, **knobs: m)
     toks = tmp_path / "calib.json"
     toks.write_text(json.dumps([r1, r2]))
     out = tmp_path / "imp.json"
