@@ -27,7 +27,12 @@ def bf16_testbed():
     return model, [exs[i].ids for i in (3, 4, 6, 7)]
 
 
-@pytest.mark.parametrize("policy", ["dense", "q-maskahead"])
+# bf16 dense invariance depends on the CPU's code generation: it held on the CI machine of 9e321fe and
+# fails on the session machine of 2026-12-06 at that same commit (docs/evaluation.md, "Batch invariance")
+@pytest.mark.parametrize("policy", [
+    pytest.param("dense", marks=pytest.mark.xfail(strict=False, reason="bf16 batch invariance is CPU-dependent "
+                                                  "(docs/evaluation.md)")),
+    "q-maskahead"])
 def test_tokens_alone_equal_tokens_in_a_batch_bf16(bf16_testbed, policy):
     model, prompts = bf16_testbed
     pol = make_policy(policy, None if policy == "dense" else 10.0)
