@@ -168,6 +168,7 @@ def main(argv=None) -> int:
             if (model_name, policy, json.dumps(gen_kw, sort_keys=True), n) in have:
                 continue
             t0 = time.time()
+            load_before = os.getloadavg()[0]
             try:
                 p = subprocess.run([sys.executable, os.path.abspath(__file__), "--case", json.dumps(c)],
                                    capture_output=True, text=True, timeout=a.timeout)
@@ -179,6 +180,7 @@ def main(argv=None) -> int:
                 row = dict(model=model_name, policy=policy, gen=gen_kw, prompt_len=n,
                            error=f"over {a.timeout} s")
             row["wall_s"] = time.time() - t0
+            row["load_avg_1m"] = [load_before, os.getloadavg()[0]]  # idle cores: about 1 (this case) or less
             print(json.dumps(row), file=sys.stderr, flush=True)
             done.append(row)
             if a.out:  # appended as it goes: an interrupted table resumes
