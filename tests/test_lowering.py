@@ -1,4 +1,4 @@
-"""maskahead_jax/lowering.py: generate programs lowered for TPU / CUDA without a device (abstract
+"""maskahead_jax/lowering/: generate programs lowered for TPU / CUDA without a device (abstract
 params and meshes), and the memory plan's KV accounting against the engine's own stats."""
 from __future__ import annotations
 

@@ -62,7 +62,7 @@ def _triton_available() -> bool:
 def target_backend() -> str:
     """The backend a trace is for: the platform of the abstract device of the context's abstract
     mesh when there is one (``jax.sharding.use_abstract_mesh``, e.g. lowering for a TPU on a CPU
-    machine: maskahead_jax/lowering.py), else ``jax.default_backend()``."""
+    machine: maskahead_jax/lowering/), else ``jax.default_backend()``."""
     dev = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
     return dev.platform if dev is not None else jax.default_backend()
 
