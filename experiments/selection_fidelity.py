@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from maskahead_jax import quant
+from maskahead_jax.cache import packed_layout
 from maskahead_jax.kernels import quant_reference, reference
 
 
@@ -147,9 +148,9 @@ def run(args) -> dict:
             "eviction_contested": overlap(ref["contested"], got["contested"]),
             "key_rel_error": float(jnp.linalg.norm(kd - k32) / jnp.linalg.norm(k32)),
             "value_rel_error": float(jnp.linalg.norm(vd - v32) / jnp.linalg.norm(v32)),
-            "bytes_per_token": quant.bytes_per_token(qctx),
+            "bytes_per_token": packed_layout.bytes_per_token(qctx),
         }
-    out["bf16_bytes_per_token"] = quant.dense_bytes_per_token(d)
+    out["bf16_bytes_per_token"] = packed_layout.dense_bytes_per_token(d)
     out["seconds"] = round(time.time() - t0, 2)
     return out
 

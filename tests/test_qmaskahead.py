@@ -11,7 +11,7 @@ import pytest
 
 from maskahead_jax import cache as kvc
 from maskahead_jax import quant
-from maskahead_jax.cache import QKVCache, choose_slots, packed, simulated
+from maskahead_jax.cache import QKVCache, choose_slots, packed, packed_layout, simulated
 from maskahead_jax.config import GenerationConfig
 from maskahead_jax.generate import generate
 from maskahead_jax.policies import (MaskAhead, PolicyError, QMaskAhead, QuestionAwareMaskAhead,
@@ -161,9 +161,9 @@ def test_bytes_per_token_at_d128_from_the_arrays():
     f = kvc.empty(1, 1, 1, 64, 128, jnp.bfloat16)
     dense = (f.k.nbytes + f.v.nbytes) / 64
     assert q4.bytes_per_token == 160 and q2.bytes_per_token == 96 and dense == 512
-    assert quant.nbytes_breakdown(q4.q) == {"key_payload": 64 * 64, "key_metadata": 16 * 64,
-                                            "value_payload": 64 * 64, "value_metadata": 16 * 64,
-                                            "residual": 0}
+    assert packed_layout.nbytes_breakdown(q4.q) == {"key_payload": 64 * 64, "key_metadata": 16 * 64,
+                                                    "value_payload": 64 * 64, "value_metadata": 16 * 64,
+                                                    "residual": 0}
 
 
 def test_memory_on_a_10k_prompt_is_at_least_20x():
@@ -332,7 +332,7 @@ def _np_lazy_lane(k_old, v_old, kc_old, ks_old, kz_old, vc_old, vs_old, vz_old, 
 
 @pytest.mark.parametrize("repack_below", [1.0, 0.75])
 def test_lazy_compaction_matches_the_released_rule_in_numpy(repack_below, monkeypatch):
-    """quant.lazy_compact / the lazy cache == a direct numpy computation of the released
+    """packed_layout.lazy_compact / the lazy cache == a direct numpy computation of the released
     `compaction: lazy` (session._evict_to -> PackedKVCache.rebuild): groups keeping >= need
     survivors copied bit-exactly, the others requantized (keys and values, zero-padded last
     group) in position order; the row's physical length 32 * (G1 + ceil(max re-encoded / 32))."""

@@ -1,4 +1,5 @@
-"""The KIVI-style int4 / int2 KV format: packing, error bounds, container ops, bytes."""
+"""The KIVI-style int4 / int2 KV format (quant.py: packing, error bounds) and the packed cache's
+layout ops on it (cache/packed_layout.py: gathers, compaction, writes, bytes)."""
 from __future__ import annotations
 
 import itertools
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 from maskahead_jax import quant as Q
+from maskahead_jax.cache import packed_layout as PL
 
 BITS = (2, 4)
 
@@ -90,10 +92,10 @@ def test_gather_dequant_matches_full_dequantize():
     q = Q.quantize_kv(k, v, 4)
     kd, vd = Q.dequantize_kv(q, jnp.float32)
     idx = jnp.broadcast_to(jnp.array([0, 31, 32, 45, 63, 64, 69]), (2, 2, 7))  # packed + residual
-    kg, vg = Q.gather_dequant(q, idx, jnp.float32)
+    kg, vg = PL.gather_dequant(q, idx, jnp.float32)
     np.testing.assert_array_equal(kg, jnp.take_along_axis(kd, idx[..., None], axis=-2))
     np.testing.assert_array_equal(vg, jnp.take_along_axis(vd, idx[..., None], axis=-2))
-    kb, _ = Q.gather_dequant(q, idx)
+    kb, _ = PL.gather_dequant(q, idx)
     assert kb.dtype == jnp.bfloat16
 
 
@@ -102,9 +104,9 @@ def test_requantize_survivors():
     q = Q.quantize_kv(k, v, 4)
     idx = jnp.broadcast_to(jnp.arange(0, 128, 2), (1, 2, 64))  # every other token survives
     count = jnp.array([[64, 40]])  # the second lane keeps only 40 (the rest is padding)
-    r = Q.requantize_survivors(q, idx, count)
+    r = PL.requantize_survivors(q, idx, count)
     assert r.num_tokens == 64 and r.num_packed == 64
-    kg, vg = Q.gather_dequant(q, idx, jnp.float32)
+    kg, vg = PL.gather_dequant(q, idx, jnp.float32)
     kr, vr = Q.dequantize_kv(r, jnp.float32)
     # values move bit-exactly (per-token groups)
     np.testing.assert_array_equal(r.v_codes, jnp.take_along_axis(q.v_codes, idx[..., None], axis=-2))
@@ -125,18 +127,18 @@ def test_requantize_survivors_leaves_partial_group_in_residual():
     k, v = _rand(9, (1, 1, 64, 32)), _rand(10, (1, 1, 64, 32))
     q = Q.quantize_kv(k, v, 2)
     idx = jnp.arange(40)[None, None]
-    r = Q.requantize_survivors(q, idx)
+    r = PL.requantize_survivors(q, idx)
     assert (r.num_packed, r.k_res.shape[-2]) == (32, 8)
-    kg, _ = Q.gather_dequant(q, idx[..., 32:], jnp.float32)
+    kg, _ = PL.gather_dequant(q, idx[..., 32:], jnp.float32)
     np.testing.assert_allclose(r.k_res.astype(jnp.float32), kg, rtol=1e-2)
 
 
 def test_write_tokens_into_fixed_capacity_cache():
     l, b, h, d = 2, 2, 1, 64
-    cache = Q.empty((l, b, h), 96, d, 4)
+    cache = PL.empty((l, b, h), 96, d, 4)
     k, v = _rand(11, (l, b, h, 32, d)), _rand(12, (l, b, h, 32, d))
     start = jnp.array([0, 64], jnp.int32)
-    out = jax.jit(Q.write_tokens)(cache, k, v, start)
+    out = jax.jit(PL.write_tokens)(cache, k, v, start)
     kd, vd = Q.dequantize_kv(out, jnp.float32)
     blk_k, blk_v = Q.dequantize_kv(Q.quantize_kv(k, v, 4), jnp.float32)
     np.testing.assert_array_equal(kd[:, 0, :, :32], blk_k[:, 0])
@@ -162,21 +164,21 @@ def test_quantkv_is_a_jittable_pytree_sliceable_per_layer():
 def test_bytes_per_token_at_head_dim_128(bits, expected):
     z = jnp.zeros((2, 3, 4, 256, 128), jnp.bfloat16)  # [L, B, Hkv, N, D]
     q = Q.quantize_kv(z, z, bits)
-    assert Q.bytes_per_token(q) == expected
-    parts = {k: v / (2 * 3 * 4 * 256) for k, v in Q.nbytes_breakdown(q).items()}
+    assert PL.bytes_per_token(q) == expected
+    parts = {k: v / (2 * 3 * 4 * 256) for k, v in PL.nbytes_breakdown(q).items()}
     payload = 128 * bits // 8
     assert parts == {"key_payload": payload, "key_metadata": 16, "value_payload": payload,
                      "value_metadata": 16, "residual": 0}
     dense = z.size * z.dtype.itemsize * 2 / (2 * 3 * 4 * 256)  # k + v arrays, bf16
-    assert dense == Q.dense_bytes_per_token(128) == 512
+    assert dense == PL.dense_bytes_per_token(128) == 512
     if bits == 4:
-        assert dense / Q.bytes_per_token(q) == 3.2
+        assert dense / PL.bytes_per_token(q) == 3.2
 
 
 def test_residual_counts_in_bytes():
     z = jnp.zeros((1, 1, 40, 128))
     q = Q.quantize_kv(z, z, 4)
-    assert Q.nbytes(q) == 32 * 160 + 8 * 512
+    assert PL.nbytes(q) == 32 * 160 + 8 * 512
 
 
 # --------------------------------------------------------------------------- the released rounding rule
@@ -218,9 +220,9 @@ def test_codes_and_metadata_equal_the_released_rule(bits, monkeypatch):
     np.testing.assert_array_equal(np.asarray(vs), rs)
     np.testing.assert_array_equal(np.asarray(vz), rz)
     # the fixed-capacity write of the engine takes the same codes
-    cache = Q.empty((1, 2, 4), 512, 128, bits)
-    out = jax.jit(Q.write_tokens)(cache, jnp.asarray(x)[None, :, :, :256], jnp.asarray(x)[None, :, :, :256],
-                                  jnp.array([0, 256], jnp.int32))
+    cache = PL.empty((1, 2, 4), 512, 128, bits)
+    out = jax.jit(PL.write_tokens)(cache, jnp.asarray(x)[None, :, :, :256], jnp.asarray(x)[None, :, :, :256],
+                                   jnp.array([0, 256], jnp.int32))
     rc, _, _ = _released_numpy(x[1, :, :256].reshape(4, 8, 32, 128), -2, bits)
     got = np.asarray(Q.unpack(out.k_codes[0, 1, :, 256:], bits))
     np.testing.assert_array_equal(got, rc.reshape(4, 256, 128))

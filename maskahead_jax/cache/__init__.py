@@ -1,5 +1,6 @@
-"""KV caches behind one protocol (protocol.py): float, packed (int4 / int2) and simulated, and the
-one slot chooser (slots.py) every eviction and selection goes through.
+"""KV caches behind one protocol (protocol.py): float, packed (int4 / int2: packed.py over the layout
+operations of packed_layout.py) and simulated, and the one slot chooser (slots.py) every eviction
+and selection goes through.
 
 The module functions below are the protocol's methods spelled as functions, for callers that
 prefer `cache.append(c, ...)` to `c.append(...)`.

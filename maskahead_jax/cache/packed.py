@@ -1,10 +1,11 @@
 """The low-bit KV cache (Q-MaskAhead): the float KVCache's pytree axes and functional API over a
-packed `quant.QuantKV` (research/maskahead.md section 4, docs/quantization.md).
+packed `quant.QuantKV` (research/maskahead.md section 4, docs/quantization.md), whose layout
+operations (writes, gathers, compaction, byte accounting) are cache/packed_layout.py.
 
     QKVCache(q: QuantKV [L, B, Hkv] x N slots, pos, valid, acc [L, B, Hkv, N], length, seen [B])
 
-* `append` quantizes the committed tokens once (`quant.write_tokens`): they are produced in the
-  forward's dtype and written as codes + fp16 metadata. Without an open group (`empty(...,
+* `append` quantizes the committed tokens once (`packed_layout.write_tokens`): they are produced
+  in the forward's dtype and written as codes + fp16 metadata. Without an open group (`empty(...,
   residual=False)`, the default) writes start at `length[b]`, a multiple of 32 (blocks, prefill
   chunks and eviction budgets are whole key groups).
 * The open group (`empty(..., residual=True)`: blocks / prefill chunks that are not multiples of
@@ -16,15 +17,16 @@ packed `quant.QuantKV` (research/maskahead.md section 4, docs/quantization.md).
   Until then its slots hold codes of the tokens present (key min/max over those): the layers and
   the gathered buffer read them like any other slot.
 * `keep_top` / `gather` (eviction): survivors' keys are dequantized, gathered and requantized
-  into fresh 32-token groups, values move bit-exactly (`quant.requantize_survivors`; the
-  documented deviation from the released code's lazy compaction). Capacities are multiples of 32.
+  into fresh 32-token groups, values move bit-exactly (`packed_layout.requantize_survivors`;
+  the documented deviation from the released code's lazy compaction). Capacities are multiples
+  of 32.
   `lazy_type(need)(*empty(...))`: a cache with the released lazy compaction instead
-  (quant.lazy_compact; QMaskAhead(compaction="lazy")).
+  (packed_layout.lazy_compact; QMaskAhead(compaction="lazy")).
 * `context()` is a `Context(k=QuantKV slice, v=None, valid)`: the layers dequantize it inside the
   layer body (model/decoder.py), so the step-0 scored pass, the probe and dense layers read the
   packed cache.
 * `select_context(idx, keep, dtype)`: the selected entries gathered and dequantized into a compact
-  bf16 Context (`quant.gather_dequant`), read by the later steps and the commit forward.
+  bf16 Context (`packed_layout.gather_dequant`), read by the later steps and the commit forward.
 * `bytes_per_token`: payload + metadata + residual per token per lane, from the arrays.
 
 It implements the Cache protocol (cache/protocol.py) as methods, so the engine and the policies
@@ -39,6 +41,7 @@ import jax.numpy as jnp
 
 from .. import quant
 from ..model import Context
+from . import packed_layout as layout
 from .float_cache import KVCache
 from .slots import choose_slots, take_slots
 
@@ -179,7 +182,7 @@ class QKVCache(NamedTuple):
         if self.residual:
             lanes = self.open_k.shape[0] * self.open_k.shape[1] * self.open_k.shape[2]
             extra = (self.open_k.nbytes + self.open_v.nbytes) / (lanes * self.capacity)
-        return quant.bytes_per_token(self.q) + extra
+        return layout.bytes_per_token(self.q) + extra
 
     def context(self, start: int = 0, stop: int | None = None) -> Context:
         """Layers [start, stop) as a packed Context (v=None): dequantized inside the layer body."""
@@ -208,7 +211,7 @@ class QKVCache(NamedTuple):
         book = self._book().append(k_new[..., :0], v_new[..., :0], pos_new, n_new)
         if not self.residual:
             _check_aligned(k_new.shape[3], "tokens per append (or keep an open group: residual=True)")
-            return self._with_book(quant.write_tokens(self.q, k_new, v_new, self.length, n_new), book)
+            return self._with_book(layout.write_tokens(self.q, k_new, v_new, self.length, n_new), book)
         start, kw, vw, valid, ok, ov = stage_window(self.open_k, self.open_v, self.length, k_new, v_new, n_new)
         new = quant.quantize_kv(kw, vw, self.bits, valid)
         q, g = self.q, start // GROUP
@@ -223,10 +226,10 @@ class QKVCache(NamedTuple):
         _check_aligned(idx.shape[-1], "capacity")
         book = self._book().gather(idx, keep)
         if not self.residual:
-            return self._with_book(quant.requantize_survivors(self.q, idx, book.valid.sum(-1)), book)
+            return self._with_book(layout.requantize_survivors(self.q, idx, book.valid.sum(-1)), book)
         # open-group survivors are regrouped from their bf16 originals, their values quantized now
         q, bits = self.q, self.bits
-        k, v = quant.gather_dequant(q, idx, jnp.float32)
+        k, v = layout.gather_dequant(q, idx, jnp.float32)
         k, v, in_open = open_originals(self.open_k, self.open_v, self.length, idx, k, v)
         live = book.valid
         k, v = jnp.where(live[..., None], k, 0.0), jnp.where(live[..., None], v, 0.0)
@@ -258,13 +261,13 @@ class QKVCache(NamedTuple):
 
     def select_context(self, idx, keep, dtype=jnp.bfloat16) -> Context:
         """The compact buffer of selected entries: gathered and dequantized to `dtype`."""
-        k, v = quant.gather_dequant(self.q, idx, dtype)
+        k, v = layout.gather_dequant(self.q, idx, dtype)
         return Context(k, v, jnp.take_along_axis(self.valid, idx, axis=3) & keep)
 
 
 class _LazyQKVCache(QKVCache):
-    """A QKVCache whose eviction is the released `compaction: lazy` (quant.lazy_compact): key
-    groups with at least `need` survivors stay bit-exact, the other survivors are requantized
+    """A QKVCache whose eviction is the released `compaction: lazy` (packed_layout.lazy_compact):
+    key groups with at least `need` survivors stay bit-exact, the other survivors are requantized
     (keys and values) into fresh groups after the row's most kept groups. Slots are then not in
     position order: kept groups first, then the re-encoded survivors by position, and the write
     pointer `length` is the row's physical length 32 * (G1 + ceil(max re-encoded / 32))
@@ -276,7 +279,7 @@ class _LazyQKVCache(QKVCache):
         if self.residual:
             raise ValueError("lazy compaction needs a cache without the open group (residual=False)")
         live = take_slots(self.valid, idx) & keep
-        q, src, valid, extent = quant.lazy_compact(self.q, idx, live, idx.shape[-1], self.need)
+        q, src, valid, extent = layout.lazy_compact(self.q, idx, live, idx.shape[-1], self.need)
         book = self._book().gather(src, valid)
         return self._with_book(q, book._replace(length=extent))
 
@@ -301,7 +304,7 @@ def empty(num_layers: int, batch: int, kv_heads: int, capacity: int, head_dim: i
     shape = (num_layers, batch, kv_heads, capacity)
     z = jnp.zeros(shape[:3] + (OPEN if residual else 0, head_dim), quant.RESIDUAL_DTYPE)
     return QKVCache(
-        q=quant.empty(shape[:3], capacity, head_dim, bits), pos=jnp.full(shape, -1, jnp.int32),
+        q=layout.empty(shape[:3], capacity, head_dim, bits), pos=jnp.full(shape, -1, jnp.int32),
         valid=jnp.zeros(shape, bool), acc=jnp.zeros(shape, jnp.float32),
         length=jnp.zeros((batch,), jnp.int32), seen=jnp.zeros((batch,), jnp.int32),
         open_k=z, open_v=z)

@@ -190,6 +190,73 @@ def _block_tile(blk_mask, qp, q0, k0, cq, ck, kb_pos, kb_valid):
     return t[:, None, None]
 
 
+def _block_keys(blk_mask, k_blk, v_blk, b, t, nq, cq, tp, ck):
+    """The block's keys in chunks of ckb = min(ck, T), for `attention_chunked`: the query
+    positions [B, nq, Cq], the block mask padded (dense) or its key positions / validity padded
+    (PositionMask, tiled per chunk pair), and the padded block K/V."""
+    if isinstance(blk_mask, PositionMask):
+        qpos = _pad_axis(blk_mask.q_pos, 1, tp).reshape(b, nq, cq)
+        ckb = min(ck, t)
+        nkb = _math.ceil(t / ckb)
+        kb_pos = _pad_axis(blk_mask.k_pos, 1, nkb * ckb)
+        kv = blk_mask.k_valid if blk_mask.k_valid is not None else jnp.ones(blk_mask.k_pos.shape, bool)
+        kb_valid = _pad_axis(kv, 1, nkb * ckb, False)
+    else:
+        qpos, ckb = jnp.zeros((b, nq, cq), jnp.int32), min(ck, t)
+        nkb = _math.ceil(t / ckb)
+        blk_mask = _pad_axis(_pad_axis(blk_mask, 1, tp, False), 2, nkb * ckb, False)
+        kb_pos = kb_valid = None
+    kb = _pad_axis(k_blk, 2, nkb * ckb)
+    vb = _pad_axis(v_blk, 2, nkb * ckb)
+    return qpos, ckb, nkb, blk_mask, kb_pos, kb_valid, kb, vb
+
+
+def _context_keys(k_ctx, v_ctx, ctx_valid, ck):
+    """The context's keys in chunks of ckc = min(ck, S), padded, for `attention_chunked`, and
+    n_live: the chunks up to the last valid slot (the sweeps skip the rest)."""
+    s = k_ctx.shape[2]
+    ckc = min(ck, s)
+    nkc = _math.ceil(s / ckc)
+    kc = _pad_axis(k_ctx, 2, nkc * ckc)
+    vc = _pad_axis(v_ctx, 2, nkc * ckc)
+    cvalid = _pad_axis(ctx_valid, 2, nkc * ckc, False)
+    last = jnp.max(jnp.where(cvalid, jnp.arange(nkc * ckc), -1))
+    n_live = (last + ckc) // ckc  # context chunks up to the last valid slot (0 when none)
+    return s, ckc, nkc, kc, vc, cvalid, n_live
+
+
+def _stat_sweep(carry, ctx_logits, qi, m_ref, l_ref, w, n_live, ckc):
+    """One query chunk's second sweep over the context chunks: each row's softmax probabilities
+    from its own (m_ref, l_ref), weighted by the stat rows w [B, Cq], added into the running sum
+    and max (msum, mmax) [B, Hkv, S'] of `attention_chunked`."""
+    def stat_step(j, acc_stats):
+        msum, mmax = acc_stats
+        lg, ok = ctx_logits(qi, j)
+        p = jnp.where(ok[:, :, None, None, :],
+                      jnp.exp(lg - m_ref[..., None]) / jnp.maximum(l_ref, 1e-30)[..., None], 0.0)
+        psum = jnp.einsum("bhgts,bt->bhs", p, w)
+        pmax = jnp.max(p * w[:, None, None, :, None], axis=(2, 3))
+        upd = lambda a, x: jax.lax.dynamic_update_slice_in_dim(a, x, j * ckc, 2)
+        cur = lambda a: jax.lax.dynamic_slice_in_dim(a, j * ckc, ckc, 2)
+        return upd(msum, cur(msum) + psum), upd(mmax, jnp.maximum(cur(mmax), pmax))
+    return jax.lax.fori_loop(0, n_live, stat_step, carry)
+
+
+def _pooled_mass(msum, mmax, stat_rows, g, pool):
+    """The prefix mass [B, Hkv, S] from the swept sum / max over the stat rows (`pool`)."""
+    n = jnp.maximum(stat_rows.astype(jnp.float32).sum(-1), 1.0) * g
+    mean = msum / n[:, None, None]
+    if pool == "mean":
+        mass = mean
+    elif pool in ("max", "max_joint"):
+        mass = mmax
+    elif pool == "mean+max":
+        mass = mean + mmax / jnp.maximum(mmax.sum(-1, keepdims=True), 1e-30)
+    else:
+        raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
+    return mass
+
+
 def attention_chunked(q, k_ctx, v_ctx, ctx_valid, k_blk, v_blk, blk_mask,
                       stat_rows: Optional[jax.Array] = None, pool: str = "mean",
                       q_chunk: Optional[int] = None, k_chunk: Optional[int] = None):
@@ -208,31 +275,12 @@ def attention_chunked(q, k_ctx, v_ctx, ctx_valid, k_blk, v_blk, blk_mask,
     tp = nq * cq
     scale = 1.0 / jnp.sqrt(jnp.float32(d))
     qc = _pad_axis(q, 3, tp).reshape(b, hkv, g, nq, cq, d)
-    if isinstance(blk_mask, PositionMask):
-        qpos = _pad_axis(blk_mask.q_pos, 1, tp).reshape(b, nq, cq)
-        ckb = min(ck, t)
-        nkb = _math.ceil(t / ckb)
-        kb_pos = _pad_axis(blk_mask.k_pos, 1, nkb * ckb)
-        kv = blk_mask.k_valid if blk_mask.k_valid is not None else jnp.ones(blk_mask.k_pos.shape, bool)
-        kb_valid = _pad_axis(kv, 1, nkb * ckb, False)
-    else:
-        qpos, ckb = jnp.zeros((b, nq, cq), jnp.int32), min(ck, t)
-        nkb = _math.ceil(t / ckb)
-        blk_mask = _pad_axis(_pad_axis(blk_mask, 1, tp, False), 2, nkb * ckb, False)
-        kb_pos = kb_valid = None
-    kb = _pad_axis(k_blk, 2, nkb * ckb)
-    vb = _pad_axis(v_blk, 2, nkb * ckb)
+    qpos, ckb, nkb, blk_mask, kb_pos, kb_valid, kb, vb = _block_keys(
+        blk_mask, k_blk, v_blk, b, t, nq, cq, tp, ck)
 
     has_ctx = k_ctx is not None
     if has_ctx:
-        s = k_ctx.shape[2]
-        ckc = min(ck, s)
-        nkc = _math.ceil(s / ckc)
-        kc = _pad_axis(k_ctx, 2, nkc * ckc)
-        vc = _pad_axis(v_ctx, 2, nkc * ckc)
-        cvalid = _pad_axis(ctx_valid, 2, nkc * ckc, False)
-        last = jnp.max(jnp.where(cvalid, jnp.arange(nkc * ckc), -1))
-        n_live = (last + ckc) // ckc  # context chunks up to the last valid slot (0 when none)
+        s, ckc, nkc, kc, vc, cvalid, n_live = _context_keys(k_ctx, v_ctx, ctx_valid, ck)
         want_stats = stat_rows is not None
     else:
         want_stats = False
@@ -268,19 +316,7 @@ def attention_chunked(q, k_ctx, v_ctx, ctx_valid, k_blk, v_blk, blk_mask,
         if want_stats:
             m_ref, l_ref = (m, l) if pool == "max_joint" else (m_ctx, l_ctx)
             w = rows[:, i].astype(jnp.float32)  # [B, Cq]
-
-            def stat_step(j, acc_stats):
-                msum, mmax = acc_stats
-                lg, ok = ctx_logits(qi, j)
-                p = jnp.where(ok[:, :, None, None, :],
-                              jnp.exp(lg - m_ref[..., None]) / jnp.maximum(l_ref, 1e-30)[..., None], 0.0)
-                psum = jnp.einsum("bhgts,bt->bhs", p, w)
-                pmax = jnp.max(p * w[:, None, None, :, None], axis=(2, 3))
-                upd = lambda a, x: jax.lax.dynamic_update_slice_in_dim(
-                    a, x, j * ckc, 2)
-                cur = lambda a: jax.lax.dynamic_slice_in_dim(a, j * ckc, ckc, 2)
-                return upd(msum, cur(msum) + psum), upd(mmax, jnp.maximum(cur(mmax), pmax))
-            carry = jax.lax.fori_loop(0, n_live, stat_step, carry)
+            carry = _stat_sweep(carry, ctx_logits, qi, m_ref, l_ref, w, n_live, ckc)
         return carry, out
 
     zeros = jnp.zeros((b, hkv, nkc * ckc) if has_ctx else (1,), jnp.float32)
@@ -289,16 +325,7 @@ def attention_chunked(q, k_ctx, v_ctx, ctx_valid, k_blk, v_blk, blk_mask,
     if not want_stats:
         return out, None
     msum, mmax = msum[..., :s], mmax[..., :s]
-    n = jnp.maximum(stat_rows.astype(jnp.float32).sum(-1), 1.0) * g
-    mean = msum / n[:, None, None]
-    if pool == "mean":
-        mass = mean
-    elif pool in ("max", "max_joint"):
-        mass = mmax
-    elif pool == "mean+max":
-        mass = mean + mmax / jnp.maximum(mmax.sum(-1, keepdims=True), 1e-30)
-    else:
-        raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
+    mass = _pooled_mass(msum, mmax, stat_rows, g, pool)
     return out, ScoredStats(mass, value_score(mass, v_ctx))
 
 

@@ -9,12 +9,12 @@ Selection and eviction are MaskAhead's; only the storage differs (cache.packed.Q
 * the selected entries are gathered and dequantized into a compact `compact_dtype` (bf16) buffer
   that the later steps and the commit forward read;
 * eviction ranks by A_i * ||v_i - c|| with v the dequantized values, and requantizes the
-  survivors' keys into fresh groups (quant.requantize_survivors: the documented deviation).
-  compaction="lazy" (the released default, `compaction: lazy, repack_below: 1.0`): a key group
-  keeping >= repack_below of its 32 entries is copied bit-exactly, the other survivors are
-  requantized (keys and values) into fresh groups placed after the row's most kept groups
-  (quant.lazy_compact, cache.packed.lazy_type); memory counts that padded physical length,
-  as released. Ours stays the default: one rectangular requantize, no padding slots to pay for
+  survivors' keys into fresh groups (cache/packed_layout.requantize_survivors: the documented
+  deviation). compaction="lazy" (the released default, `compaction: lazy, repack_below: 1.0`):
+  a key group keeping >= repack_below of its 32 entries is copied bit-exactly, the other
+  survivors are requantized (keys and values) into fresh groups placed after the row's most kept
+  groups (cache/packed_layout.lazy_compact, cache.packed.lazy_type); memory counts that padded
+  physical length, as released. Ours stays the default: one rectangular requantize, no padding slots to pay for
   (more reduction at the same budget), values never requantized.
 
 Whole key groups: capacities and eviction budgets C(seen) are rounded *up* to multiples of 32.
