@@ -34,7 +34,7 @@ are given; defaults: H200, 790 TFLOP/s realistic dense bf16, 4.8 TB/s HBM):
 Serving capacity: the largest batch whose peak KV bytes (per row, which scale linearly with the
 batch) fit `kv_budget_gb`, per policy.
 
-A library module (the command line is `maskahead profile`, in cli.py); `python -m
+A library module (the command line is `maskahead profile`, in cli/profile.py); `python -m
 maskahead_jax.profile ARGS` runs `maskahead profile ARGS`.
 """
 from __future__ import annotations

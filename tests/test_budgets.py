@@ -67,7 +67,7 @@ def test_testbed_preset_carries_scaled_floors(tmp_path):
     assert preset_policy_knobs("sdar") == {} and preset_policy_knobs(None) == {}
     cfg = tiny_model("sdar").config
     gen = preset_config("testbed", 16)
-    _, built = cli._policies(cfg, gen, ["maskahead", "snapkv"], [10.0], {"maskahead:recent": 16},
+    _, built = cli.build_run_policies(cfg, gen, ["maskahead", "snapkv"], [10.0], {"maskahead:recent": 16},
                              preset="testbed")
     ma, sk = built[("maskahead", 10.0)], built[("snapkv", 10.0)]
     assert (ma.capacity_floor, ma.topk_floor, ma.recent) == (64, 32, 16)

@@ -32,7 +32,9 @@ def no_load(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("loaded the model / ran a forward before refusing the input")
 
-    monkeypatch.setattr(cli, "_load", boom)
+    for command in cli.COMMANDS:  # each subcommand module loads through its own name
+        if hasattr(command, "load_model"):
+            monkeypatch.setattr(command, "load_model", boom)
     monkeypatch.setattr(G, "generate", boom)
 
 
@@ -220,7 +222,7 @@ def test_atomic_writes_leave_no_truncated_file(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "fsync", real_fsync)
     assert {p: open(p, "rb").read() for p in before} == before
     assert sorted(os.listdir(tmp_path)) == ["pareto.png", "summary.json", "summary.md"]  # no temp files
-    # the profile JSON goes through the same writer (cli.cmd_profile): a fresh file gets the usual mode
+    # the profile JSON goes through the same writer (cli.profile.run): a fresh file gets the usual mode
     p = atomic.write_text(str(tmp_path / "profile.json"), "{}")
     assert oct(os.stat(p).st_mode & 0o777) == oct(0o666 & ~atomic._umask())
 

@@ -130,7 +130,7 @@ def test_a_local_path_wins_over_a_hub_id(tiny, hub_env, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     shutil.copytree(cli.TESTBED, tmp_path / REPO)
     assert L.resolve_model_path(REPO) == REPO
-    assert cli._model_path(REPO) == REPO
+    assert cli.model_path(REPO) == REPO
     assert mj.load_pretrained(REPO).config == L.read_config(cli.TESTBED)
 
 

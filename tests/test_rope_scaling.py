@@ -180,10 +180,10 @@ def test_forward_applies_the_config_scaling():
 def test_cli_flags(capsys):
     args = cli.build_parser().parse_args(["generate", "--ids", "5,6", "--rope-scaling", "yarn:2",
                                           "--rope-theta", "40000"])
-    cfg = cli._model_config(None, None, args)
+    cfg = cli.model_config(None, None, args)
     assert (cfg.rope_theta, cfg.rope_scaling.type, cfg.rope_scaling.factor) == (40000.0, "yarn", 2.0)
     args = cli.build_parser().parse_args(["eval", "--out", "x", "--max-positions", "12345"])
-    assert cli._model_config(None, None, args).max_position_embeddings == 12345
+    assert cli.model_config(None, None, args).max_position_embeddings == 12345
     assert cli.main(["generate", "--ids", "5,6", "--rope-scaling", "ntk:2"]) == 2
     err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
     assert len(err) == 1 and "--rope-scaling" in err[0] and "ntk:2" in err[0]
