@@ -155,14 +155,8 @@ def profile(model, prompt_len: int, out_len: int, batch_sizes: Sequence[int],
     cfg: ModelConfig = model.config
     gen = gen or GenerationConfig()
     bs = gen.block_size or cfg.block_size
-    if out_len <= bs:
-        raise ValueError(f"out_len {out_len} must exceed one block ({bs}) to split prefill and decode")
-    if prompt_len <= 0:
-        raise ValueError("prompt_len must be positive")
-    if not batch_sizes or any(int(b) <= 0 for b in batch_sizes):
-        raise ValueError(f"batch sizes must be positive integers, got {list(batch_sizes)}")
+    _check_sizes(prompt_len, out_len, batch_sizes, bs)
     pols = build_policies(cfg, gen, policies, capacity, out_len, policy_kw)
-    from .kernels.attention import resolve as resolve_attention
     prompt = _prompt(cfg, prompt_len, seed)
     full = dataclasses.replace(gen, max_new_tokens=out_len, stop_at_eos=False)
     pre = dataclasses.replace(gen, max_new_tokens=bs, stop_at_eos=False)
@@ -181,55 +175,89 @@ def profile(model, prompt_len: int, out_len: int, batch_sizes: Sequence[int],
             except Exception as e:  # e.g. out of memory at a large batch
                 res["skipped"].append(dict(policy=p, batch=b, reason=f"{type(e).__name__}: {str(e)[:300]}"))
                 continue
-            st = o.stats
-            fw = max(1, st["nfe_batch"] - o_pre.stats["nfe_batch"])
-            tok_dec = sum(len(t) for t in o.tokens) - sum(len(t) for t in o_pre.tokens)
-            dec = t_e2e - t_pre
-            ok = dec > 0
-            impl = "reference" if mesh is not None and attn == "auto" else resolve_attention(attn)
-            run = dict(policy=p, batch=int(b), attention=impl, prefill_s=t_pre, decode_s=dec if ok else None, e2e_s=t_e2e,
-                       forwards=st["nfe_batch"], decode_forwards=fw,
-                       decode_ms_per_forward=1e3 * dec / fw if ok else None,
-                       decode_tok_s=tok_dec / dec if ok else None,
-                       e2e_tok_s=sum(len(t) for t in o.tokens) / t_e2e,
-                       kv_peak_bytes=float(sum(st["kv_bytes_peak"])),
-                       dense_peak_bytes=float(sum(st["dense_bytes_peak"])),
-                       kv_final_bytes=float(sum(st["kv_bytes_final"])),
-                       reduction_peak=float(np.mean(st["reduction_peak"])),
-                       reduction_final=float(np.mean(st["reduction_final"])))
-            if mesh is not None:  # per-device share of the cache under the mesh's rule shardings
-                from .sharding import kv_bytes_per_device, make_mesh
-
-                m = make_mesh(mesh) if isinstance(mesh, str) else mesh
-                share = kv_bytes_per_device(cfg, int(b), st["cache_capacity"], m)
-                run.update(mesh=str(dict(m.shape)), kv_shards=share["shards"],
-                           kv_peak_bytes_per_device=run["kv_peak_bytes"] / share["shards"])
-            ctx_len = float(prompt_len + out_len / 2)
-            if split_attention(p)[0] != "dense" and st.get("live_entries"):  # the kept entries per lane at the end
-                ctx_len = min(ctx_len, float(np.mean(st["live_entries"])))
-            roof = decode_roofline(cfg, int(b), bs, ctx_len, run["kv_final_bytes"], peak_flops, hbm_bytes_per_s)
-            run.update(roofline_flops=roof["flops"], roofline_bytes=roof["bytes"], roofline_ms=1e3 * roof["roofline_s"],
-                       roofline_bound=roof["bound"], roofline_context=ctx_len,
-                       roofline_fraction=(roof["roofline_s"] * 1e3 / run["decode_ms_per_forward"]
-                                          if run["decode_ms_per_forward"] else None))
-            try:
-                ms = jax.devices()[0].memory_stats() or {}
-                run["peak_device_bytes"] = ms.get("peak_bytes_in_use")
-            except Exception:  # CPU backends may not report
-                run["peak_device_bytes"] = None
-            per_row_peak[p] = max(st["kv_bytes_peak"])
-            if not ok:
+            run = _run_record(cfg, p, b, attn, mesh, t_pre, o_pre, t_e2e, o)
+            _add_roofline(run, cfg, p, b, bs, prompt_len, out_len, o.stats, peak_flops, hbm_bytes_per_s)
+            _add_device_peak(run)
+            per_row_peak[p] = max(o.stats["kv_bytes_peak"])
+            if run["decode_s"] is None:
                 run["timing_note"] = (f"e2e time {t_e2e:.4f}s <= prefill-run time {t_pre:.4f}s: timing noise "
                                       f"(a busy machine?); decode times not reported; rerun with --repeats 3 "
                                       f"or more")
             batch_runs.append(run)
             res["runs"].append(run)
-            decode = f"{dec:.3f}s" if ok else "n/a (timing noise)"
+            decode = f"{run['decode_s']:.3f}s" if run["decode_s"] is not None else "n/a (timing noise)"
             print(f"[profile] {p} batch={b}: prefill {t_pre:.3f}s decode {decode} e2e {t_e2e:.3f}s "
                   f"peak KV {run['kv_peak_bytes'] / 2**20:.1f} MiB", file=log, flush=True)
         _speedups(batch_runs)
     res["serving"] = serving_capacity(per_row_peak, kv_budget_gb)
     return res
+
+
+def _check_sizes(prompt_len: int, out_len: int, batch_sizes: Sequence[int], bs: int) -> None:
+    """ValueError for sizes `profile` cannot measure (before any policy is built)."""
+    if out_len <= bs:
+        raise ValueError(f"out_len {out_len} must exceed one block ({bs}) to split prefill and decode")
+    if prompt_len <= 0:
+        raise ValueError("prompt_len must be positive")
+    if not batch_sizes or any(int(b) <= 0 for b in batch_sizes):
+        raise ValueError(f"batch sizes must be positive integers, got {list(batch_sizes)}")
+
+
+def _run_record(cfg: ModelConfig, p: str, b, attn, mesh, t_pre: float, o_pre, t_e2e: float, o) -> dict:
+    """One (policy, batch) run's times, forwards, throughputs and KV bytes from its prefill run
+    and its full run (decode_s None when timing noise makes it <= 0), and its per-device KV share
+    under a mesh."""
+    from .kernels.attention import resolve as resolve_attention
+
+    st = o.stats
+    fw = max(1, st["nfe_batch"] - o_pre.stats["nfe_batch"])
+    tok_dec = sum(len(t) for t in o.tokens) - sum(len(t) for t in o_pre.tokens)
+    dec = t_e2e - t_pre
+    ok = dec > 0
+    impl = "reference" if mesh is not None and attn == "auto" else resolve_attention(attn)
+    run = dict(policy=p, batch=int(b), attention=impl, prefill_s=t_pre, decode_s=dec if ok else None, e2e_s=t_e2e,
+               forwards=st["nfe_batch"], decode_forwards=fw,
+               decode_ms_per_forward=1e3 * dec / fw if ok else None,
+               decode_tok_s=tok_dec / dec if ok else None,
+               e2e_tok_s=sum(len(t) for t in o.tokens) / t_e2e,
+               kv_peak_bytes=float(sum(st["kv_bytes_peak"])),
+               dense_peak_bytes=float(sum(st["dense_bytes_peak"])),
+               kv_final_bytes=float(sum(st["kv_bytes_final"])),
+               reduction_peak=float(np.mean(st["reduction_peak"])),
+               reduction_final=float(np.mean(st["reduction_final"])))
+    if mesh is not None:  # per-device share of the cache under the mesh's rule shardings
+        from .sharding import kv_bytes_per_device, make_mesh
+
+        m = make_mesh(mesh) if isinstance(mesh, str) else mesh
+        share = kv_bytes_per_device(cfg, int(b), st["cache_capacity"], m)
+        run.update(mesh=str(dict(m.shape)), kv_shards=share["shards"],
+                   kv_peak_bytes_per_device=run["kv_peak_bytes"] / share["shards"])
+    return run
+
+
+def _add_roofline(run: dict, cfg: ModelConfig, p: str, b, bs: int, prompt_len: int, out_len: int, st: dict,
+                  peak_flops: float, hbm_bytes_per_s: float) -> None:
+    """The run's decode-forward roofline (`decode_roofline`) and its fraction of the measured
+    ms per forward, into `run`."""
+    ctx_len = float(prompt_len + out_len / 2)
+    if split_attention(p)[0] != "dense" and st.get("live_entries"):  # the kept entries per lane at the end
+        ctx_len = min(ctx_len, float(np.mean(st["live_entries"])))
+    roof = decode_roofline(cfg, int(b), bs, ctx_len, run["kv_final_bytes"], peak_flops, hbm_bytes_per_s)
+    run.update(roofline_flops=roof["flops"], roofline_bytes=roof["bytes"], roofline_ms=1e3 * roof["roofline_s"],
+               roofline_bound=roof["bound"], roofline_context=ctx_len,
+               roofline_fraction=(roof["roofline_s"] * 1e3 / run["decode_ms_per_forward"]
+                                  if run["decode_ms_per_forward"] else None))
+
+
+def _add_device_peak(run: dict) -> None:
+    """The device's peak bytes in use so far into `run` (None where the backend does not report)."""
+    import jax
+
+    try:
+        ms = jax.devices()[0].memory_stats() or {}
+        run["peak_device_bytes"] = ms.get("peak_bytes_in_use")
+    except Exception:  # CPU backends may not report
+        run["peak_device_bytes"] = None
 
 
 def split_attention(label: str) -> tuple:

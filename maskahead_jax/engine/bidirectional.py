@@ -38,8 +38,10 @@ class BidirState(NamedTuple):
 
 def bidirectional_core(params, prompt, plen, key, draft=None, *, cfg, gen, policy, cache_dtype,
                        phase: str = "all"):
+    """Decode a fixed-length response block by block against the prompt's cache (module
+    docstring); phase "prefill" stops after the first full pass (timing runs)."""
     b, pb = prompt.shape
-    bs, L, hkv, mask_id = gen.block_size, cfg.num_layers, cfg.num_kv_heads, cfg.mask_token_id
+    bs, hkv, mask_id = gen.block_size, cfg.num_kv_heads, cfg.mask_token_id
     nblk = math.ceil(gen.max_new_tokens / bs)
     g = nblk * bs
     ppos = jnp.broadcast_to(jnp.arange(pb, dtype=jnp.int32), (b, pb))
@@ -48,6 +50,41 @@ def bidirectional_core(params, prompt, plen, key, draft=None, *, cfg, gen, polic
     all_pos = jnp.concatenate([ppos, rpos], axis=1)
     key_valid = jnp.concatenate([pvalid, jnp.ones((b, g), bool)], axis=1)
     both_mask = masks.bidirectional(all_pos, key_valid)  # O(T): no [B, P+G, P+G] boolean
+    full_pass = _full_pass_fn(params, cfg, prompt, plen, ppos, pvalid, all_pos, both_mask, cache_dtype)
+
+    resp0 = jnp.full((b, g), mask_id, jnp.int32)
+    layerwise = policy.prompt_layerwise
+    if layerwise:  # MaskKV's offline-budget mode: the prompt is cut inside the first full pass
+        cache, logits, last = full_pass_layerwise(params, cfg, prompt, resp0, plen, all_pos, key_valid,
+                                                  both_mask, policy, cache_dtype)
+    else:
+        cache, logits, last = full_pass(resp0)
+    if phase == "prefill":  # timing runs: the first full pass builds the prompt cache
+        return dict(prev=last, kv_bytes=policy.held_bytes(cache))
+    # the layer-by-layer pass held the others' cut prompts plus one layer's whole prompt
+    peak_bytes = policy.held_bytes(cache) + (plen * hkv * cache.bytes_per_token if layerwise else 0.0)
+
+    vote = _vote_fn(params, cfg, prompt, plen, rpos, resp0, cache)
+    compressed = None if layerwise else policy.on_prompt(cache, vote, plen)
+    nfe = jnp.int32(1)
+    refresh = 0 if layerwise else gen.prompt_refresh
+    if compressed is not None:
+        cache, nfe, refresh = compressed, nfe + 1, 0  # a compressed prompt is never refreshed
+    active = jnp.ones((b,), bool)
+    body = _step_fn(cfg, gen, nblk, refresh, active, full_pass, _resp_logits_fn(params, cfg, rpos, b, g))
+
+    s = BidirState(resp0, jnp.int32(0), jnp.int32(0), jnp.int32(0), cache, logits, last, key, nfe,
+                   jnp.sum(resp0[:, :bs] == mask_id, -1))
+    max_steps = nblk * (bs + gen.steps_per_block)  # a hard bound: every step commits >= 1 token
+    s = jax.lax.while_loop(lambda s: (s.blk < nblk) & (s.step < max_steps), body, s)
+    return _outputs(s, cfg, policy, plen, peak_bytes)
+
+
+def _full_pass_fn(params, cfg, prompt, plen, ppos, pvalid, all_pos, both_mask, cache_dtype):
+    """The full forward of [prompt | response] as a function of the response (the first step
+    and every prompt refresh): the prompt cache, response logits, last-prompt logits."""
+    b, pb = prompt.shape
+    L, hkv = cfg.num_layers, cfg.num_kv_heads
 
     def full_pass(resp):
         """Forward of [prompt | response]: the prompt cache, response logits, last-prompt logits."""
@@ -61,21 +98,24 @@ def bidirectional_core(params, prompt, plen, key, draft=None, *, cfg, gen, polic
         last = lm_head(params, cfg, row_take(out.hidden, plen - 1))
         return constrain_cache(cache), lm_head(params, cfg, out.hidden[:, pb:]), last
 
+    return full_pass
+
+
+def _resp_logits_fn(params, cfg, rpos, b, g):
+    """The steps between refreshes: the response alone forwarded against the prompt cache."""
+    L = cfg.num_layers
+
     def resp_logits(cache, resp):
         o = model_step(params, cfg, resp, rpos, full_mask(b, g), dense_segments(cache, L))
         return lm_head(params, cfg, o.hidden)
 
-    resp0 = jnp.full((b, g), mask_id, jnp.int32)
-    layerwise = policy.prompt_layerwise
-    if layerwise:  # MaskKV's offline-budget mode: the prompt is cut inside the first full pass
-        cache, logits, last = full_pass_layerwise(params, cfg, prompt, resp0, plen, all_pos, key_valid,
-                                                  both_mask, policy, cache_dtype)
-    else:
-        cache, logits, last = full_pass(resp0)
-    if phase == "prefill":  # timing runs: the first full pass builds the prompt cache
-        return dict(prev=last, kv_bytes=policy.held_bytes(cache))
-    # the layer-by-layer pass held the others' cut prompts plus one layer's whole prompt
-    peak_bytes = policy.held_bytes(cache) + (plen * hkv * cache.bytes_per_token if layerwise else 0.0)
+    return resp_logits
+
+
+def _vote_fn(params, cfg, prompt, plen, rpos, resp0, cache):
+    """The `vote` that the policy's on_prompt calls on the first full pass's prompt cache."""
+    b, g = resp0.shape
+    L = cfg.num_layers
 
     def vote(window=None):
         """Voting at the first step, in one softmax over [prompt | response] keys (the response's
@@ -95,12 +135,13 @@ def bidirectional_core(params, prompt, plen, key, draft=None, *, cfg, gen, polic
         return model_step(params, cfg, toks, pos, jnp.zeros((b, t, t), bool), [Segment(0, L, ctx)],
                           rows).mass
 
-    compressed = None if layerwise else policy.on_prompt(cache, vote, plen)
-    nfe = jnp.int32(1)
-    refresh = 0 if layerwise else gen.prompt_refresh
-    if compressed is not None:
-        cache, nfe, refresh = compressed, nfe + 1, 0  # a compressed prompt is never refreshed
-    active = jnp.ones((b,), bool)
+    return vote
+
+
+def _step_fn(cfg, gen, nblk, refresh, active, full_pass, resp_logits):
+    """The while-loop body: commit inside the current block, then refresh the prompt cache
+    (every `refresh` steps; 0: never) or forward the response alone."""
+    bs, mask_id = gen.block_size, cfg.mask_token_id
 
     def body(s: BidirState) -> BidirState:
         key, kk = jax.random.split(s.key)
@@ -124,10 +165,13 @@ def bidirectional_core(params, prompt, plen, key, draft=None, *, cfg, gen, polic
         return BidirState(resp, blk, step, jnp.where(blk_done, 0, s.bstep + 1), cache, logits, last, key,
                           s.nfe + (blk < nblk).astype(jnp.int32), m0)
 
-    s = BidirState(resp0, jnp.int32(0), jnp.int32(0), jnp.int32(0), cache, logits, last, key, nfe,
-                   jnp.sum(resp0[:, :bs] == mask_id, -1))
-    max_steps = nblk * (bs + gen.steps_per_block)  # a hard bound: every step commits >= 1 token
-    s = jax.lax.while_loop(lambda s: (s.blk < nblk) & (s.step < max_steps), body, s)
+    return body
+
+
+def _outputs(s: BidirState, cfg, policy, plen, peak_bytes) -> dict:
+    """The core's result dict from the final loop state (the engine's common keys)."""
+    b = s.resp.shape[0]
+    L, hkv = cfg.num_layers, cfg.num_kv_heads
     kvb = policy.held_bytes(s.cache)
     dense = memory.bf16_dense_bytes(L, hkv, cfg.head_dim, plen)
     return dict(out=s.resp, first_pos=plen, nfe=jnp.broadcast_to(s.nfe, (b,)), nfe_batch=s.nfe,

@@ -27,23 +27,18 @@ def _segments(cache, selection, num_layers):
     return ([Segment(0, nd, cache.context(0, nd))] if nd else []) + [Segment(nd, num_layers, ctx)]
 
 
-def run_block(params, cfg, gen, policy, st: BlockState, x_init, ctx) -> BlockState:
-    """Decode one block for every active row. ctx: the policy StepContext without the per-block
-    fields (tokens, start, mass, score, due, active), which are filled in here."""
-    b, bs, L, mask_id = x_init.shape[0], gen.block_size, cfg.num_layers, cfg.mask_token_id
-    cache, active, start = st.cache, ~st.done, st.start
-    pos = start[:, None] + jnp.arange(bs, dtype=jnp.int32)[None]
-    x = x_init
-    if cfg.logits_shift:
-        first_tok = jnp.argmax(st.prev, axis=-1).astype(jnp.int32)
-        x = x.at[:, 0].set(jnp.where(x[:, 0] == mask_id, first_tok, x[:, 0]))
-    m0 = (x == mask_id).sum(-1)
+def _logits_of(params, cfg, prev, hidden):
+    """A block's logits from its hidden states (shifted by the previous block's last logits)."""
+    lg = lm_head(params, cfg, hidden)
+    return shift_logits(lg, prev) if cfg.logits_shift else lg
 
-    def logits_of(hidden):
-        lg = lm_head(params, cfg, hidden)
-        return shift_logits(lg, st.prev) if cfg.logits_shift else lg
 
-    # ---- step 0: exact dense attention over the whole cache (+ the policy's statistics)
+def _step0(params, cfg, gen, policy, st: BlockState, x, pos, m0, active, ctx):
+    """Step 0: exact dense attention over the whole cache (+ the policy's statistics) and the
+    policy's `on_block`, or nothing for a plain policy (the denoising loop runs it). Returns
+    (x, key, BlockResult, the loop's first step, ctx with the per-block fields)."""
+    b, bs, L, mask_id = x.shape[0], gen.block_size, cfg.num_layers, cfg.mask_token_id
+    cache, start = st.cache, st.start
     rows = policy.stat_rows(x == mask_id, active)
     ctx = ctx._replace(active=active, due=st.due, tokens=x, start=start, generated=st.out)
     # A policy that reads nothing at step 0 and keeps the base on_block (the dense cache) on a
@@ -57,18 +52,21 @@ def run_block(params, cfg, gen, policy, st: BlockState, x_init, ctx) -> BlockSta
         key, k0 = jax.random.split(st.key)
         qrows = None if rows is None else policy.query_stat_rows(rows)
         out0 = model_step(params, cfg, x, pos, full_mask(b, bs), dense_segments(cache, L), rows, qrows)
-        x = commit(x, logits_of(out0.hidden), jnp.int32(0), m0, active, gen, mask_id, k0)
+        x = commit(x, _logits_of(params, cfg, st.prev, out0.hidden), jnp.int32(0), m0, active, gen, mask_id, k0)
         res = policy.on_block(cache, ctx._replace(mass=out0.mass, score=out0.score, rows=rows,
                                                   queries=out0.queries, block_kv=(out0.k, out0.v),
                                                   rope=rope_last(cfg, start + bs - 1)))
         step0 = jnp.int32(1)
-    cache = res.cache
-    segs = _segments(cache, res.selection, L)
+    return x, key, res, step0, ctx
 
-    # ---- denoising steps over the selected context, then the commit forward: one traced
-    # forward (half of what XLA compiles per block). An iteration forwards x; while masks remain
-    # (and the step bound allows; step 0 always commits) it commits and loops, else that forward
-    # was the commit forward (the finished block's K/V, which go into the cache).
+
+def _denoise(params, cfg, gen, prev, x, pos, m0, active, segs, step0, key):
+    """Denoising steps over the selected context `segs`, then the commit forward: one traced
+    forward (half of what XLA compiles per block). An iteration forwards x; while masks remain
+    (and the step bound allows; step 0 always commits) it commits and loops, else that forward
+    was the commit forward (the finished block's K/V, which go into the cache). Returns
+    (x, key, the commit forward's output, denoising forwards after step 0)."""
+    b, bs, mask_id = x.shape[0], gen.block_size, cfg.mask_token_id
     bound = bs + gen.steps_per_block
 
     def body(s):
@@ -77,7 +75,8 @@ def run_block(params, cfg, gen, policy, st: BlockState, x_init, ctx) -> BlockSta
         more = (jnp.any((x == mask_id) & active[:, None]) & (step < bound)) | (step == 0)
         key2, kk = jax.random.split(key)
         # the logits and the commit only when a step follows (the commit forward needs neither)
-        x2 = jax.lax.cond(more, lambda: commit(x, logits_of(o.hidden), step, m0, active, gen, mask_id, kk),
+        x2 = jax.lax.cond(more, lambda: commit(x, _logits_of(params, cfg, prev, o.hidden), step, m0, active, gen,
+                                               mask_id, kk),
                           lambda: x)
         return x2, step + more.astype(jnp.int32), jnp.where(more, key2, key), ~more, o
 
@@ -85,6 +84,26 @@ def run_block(params, cfg, gen, policy, st: BlockState, x_init, ctx) -> BlockSta
     zeros = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), out_shape)
     x, step, key, _, oc = jax.lax.while_loop(lambda s: ~s[3], body, (x, step0, key, jnp.bool_(False), zeros))
     n_steps = step - 1  # denoising forwards after step 0 (a plain step 0 is the loop's first)
+    return x, key, oc, n_steps
+
+
+def run_block(params, cfg, gen, policy, st: BlockState, x_init, ctx) -> BlockState:
+    """Decode one block for every active row. ctx: the policy StepContext without the per-block
+    fields (tokens, start, mass, score, due, active), which are filled in here."""
+    bs, L, mask_id = gen.block_size, cfg.num_layers, cfg.mask_token_id
+    cache, active, start = st.cache, ~st.done, st.start
+    pos = start[:, None] + jnp.arange(bs, dtype=jnp.int32)[None]
+    x = x_init
+    if cfg.logits_shift:
+        first_tok = jnp.argmax(st.prev, axis=-1).astype(jnp.int32)
+        x = x.at[:, 0].set(jnp.where(x[:, 0] == mask_id, first_tok, x[:, 0]))
+    m0 = (x == mask_id).sum(-1)
+
+    # ---- step 0 (or nothing for a plain policy), then the denoising steps and the commit forward
+    x, key, res, step0, ctx = _step0(params, cfg, gen, policy, st, x, pos, m0, active, ctx)
+    cache = res.cache
+    segs = _segments(cache, res.selection, L)
+    x, key, oc, n_steps = _denoise(params, cfg, gen, st.prev, x, pos, m0, active, segs, step0, key)
 
     # ---- the finished block's K/V into the cache
     appended = jnp.where(active, bs, 0)
