@@ -13,7 +13,9 @@ Per case (random prompt tokens, fixed output of --out-len tokens, stop at EOS of
                    second run (the first, untimed, pays the buffers' first touch)
   e2e_s            the whole program (prefill + decoding --out-len tokens), compiled beforehand, its
                    second run (e2e_first_s: the first)
-  decode_s         e2e_s - prefill_s; decode_s_per_block over the blocks decoded
+  decode_s         the decode alone: a program that starts from the prefill program's state
+                   (engine.generate.lower(phase="decode")), its second run; decode_s_per_block
+                   over the blocks decoded, decode_tok_s = out_len / decode_s
   kv_peak_mb, kv_end_mb   the engine's KV accounting (stats of generate)
   forwards         forwards of the whole run
 
@@ -88,14 +90,23 @@ def run_case(model_name: str, policy: str, n: int, out_len: int, gen_kw: dict, p
     pre = pre.compile()
     jax.block_until_ready(pre(*args))  # warm: the first run of a program pays its buffers' first touch
     t0 = time.perf_counter()
-    jax.block_until_ready(pre(*args))
+    state = jax.block_until_ready(pre(*args))["state"]
     prefill_s = time.perf_counter() - t0
     if prefill_only:
         mem = pre.memory_analysis()
         return dict(model=model_name, policy=policy, gen=gen_kw, schedule=schedule, prompt_len=n, out_len=out_len,
+                    pct=pct if policy not in ("dense",) and not policy.startswith("maskkv") else None,
                     rss_gb=_rss_gb(), rss_base_gb=base, prefill_only=True,
                     xla_temp_gb=getattr(mem, "temp_size_in_bytes", 0) / 2 ** 30, prefill_s=prefill_s,
                     jax=jax.__version__, cpus=os.cpu_count())
+    # the decode alone: the rest of the run from the prefill's state, timed on its second run
+    dec, dargs = lower(model, [prompt], gen, pol, phase="decode", prefilled=state)
+    dec = dec.compile()
+    jax.block_until_ready(dec(*dargs))
+    t0 = time.perf_counter()
+    jax.block_until_ready(dec(*dargs))
+    decode_s = time.perf_counter() - t0
+    del state, dargs, dec
     t0 = time.perf_counter()
     full = lower(model, [prompt], gen, pol)[0].compile()
     compile_s = time.perf_counter() - t0
@@ -107,16 +118,15 @@ def run_case(model_name: str, policy: str, n: int, out_len: int, gen_kw: dict, p
     res = jax.block_until_ready(full(*args))
     e2e_s = time.perf_counter() - t0
     res = jax.tree_util.tree_map(np.asarray, res)
-    blocks = max(1, math.ceil(out_len / cfg.block_size))
-    decode_s = e2e_s - prefill_s
+    blocks = max(1, int(res["blocks"]))
     return dict(model=model_name, policy=policy, gen=gen_kw, schedule=schedule, prompt_len=n, out_len=out_len,
+                pct=pct if policy not in ("dense",) and not policy.startswith("maskkv") else None,
                 rss_gb=_rss_gb(), rss_base_gb=base,
                 xla_temp_gb=getattr(mem, "temp_size_in_bytes", 0) / 2 ** 30,
                 xla_args_gb=getattr(mem, "argument_size_in_bytes", 0) / 2 ** 30,
                 compile_s=compile_s, prefill_s=prefill_s, e2e_s=e2e_s, e2e_first_s=e2e_first_s,
-                decode_s=decode_s if decode_s > 0 else None,
-                decode_s_per_block=decode_s / blocks if decode_s > 0 else None,
-                decode_tok_s=out_len / decode_s if decode_s > 0 else None,
+                decode_s=decode_s, decode_s_per_block=decode_s / blocks, decode_tok_s=out_len / decode_s,
+                blocks=blocks,
                 kv_peak_mb=float(np.max(res["kv_peak"])) / 2 ** 20,
                 kv_end_mb=float(np.max(res["kv_bytes"])) / 2 ** 20,
                 forwards=int(res["nfe_batch"]), jax=jax.__version__, cpus=os.cpu_count())

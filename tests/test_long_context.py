@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from maskahead_jax.engine.generate import lower
 from maskahead_jax.generate import generate
 from maskahead_jax.config import GenerationConfig
 from maskahead_jax.kernels import masks, reference
@@ -160,3 +161,24 @@ def test_nonfinite_logits_stop_the_run(family):
     assert generate(m, [list(range(1, 12))], gen).tokens  # the healthy model runs
     with pytest.raises(NonFiniteLogitsError, match="NaN / inf logits"):
         generate(bad, [list(range(1, 12))], gen)
+
+
+@pytest.mark.parametrize("family,policy", [("sdar", None), ("sdar", "maskahead"), ("llada", "maskkv"),
+                                           ("llada", "maskkv-online")])
+def test_prefill_then_decode_programs_equal_the_whole_program(family, policy):
+    """The benchmarks time the decode alone (experiments/bench_long_context.py): the prefill
+    program's `state` fed to the decode program gives the whole program's tokens and KV."""
+    m = tiny_model(family)
+    prompts = [list(range(1, 40)), list(range(3, 25))]
+    gen = GenerationConfig(max_new_tokens=16, block_size=8, threshold=0.9)
+    pol = None if policy is None else make(policy, 25)
+    whole, args = lower(m, prompts, gen, pol)
+    want = whole.compile()(*args)
+    pre, args = lower(m, prompts, gen, pol, phase="prefill")
+    state = pre.compile()(*args)["state"]
+    dec, args = lower(m, prompts, gen, pol, phase="decode", prefilled=state)
+    got = dec.compile()(*args)
+    for k in ("out", "kv_bytes", "kv_peak", "nfe"):
+        np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]), err_msg=k)
+    with pytest.raises(ValueError, match="prefilled"):
+        lower(m, prompts, gen, pol, phase="decode")

@@ -36,10 +36,11 @@ class BidirState(NamedTuple):
     m0: jax.Array  # [B] masks at the start of the current block
 
 
-def bidirectional_core(params, prompt, plen, key, draft=None, *, cfg, gen, policy, cache_dtype,
+def bidirectional_core(params, prompt, plen, key, draft=None, prefilled=None, *, cfg, gen, policy, cache_dtype,
                        phase: str = "all"):
     """Decode a fixed-length response block by block against the prompt's cache (module
-    docstring); phase "prefill" stops after the first full pass (timing runs)."""
+    docstring); phase "prefill" stops after the first full pass (timing runs) and also returns
+    its `state`; phase "decode" starts from such a `prefilled` state (the decode alone, timed)."""
     b, pb = prompt.shape
     bs, hkv, mask_id = gen.block_size, cfg.num_kv_heads, cfg.mask_token_id
     nblk = math.ceil(gen.max_new_tokens / bs)
@@ -54,13 +55,15 @@ def bidirectional_core(params, prompt, plen, key, draft=None, *, cfg, gen, polic
 
     resp0 = jnp.full((b, g), mask_id, jnp.int32)
     layerwise = policy.prompt_layerwise
-    if layerwise:  # MaskKV's offline-budget mode: the prompt is cut inside the first full pass
+    if phase == "decode":
+        cache, logits, last = prefilled
+    elif layerwise:  # MaskKV's offline-budget mode: the prompt is cut inside the first full pass
         cache, logits, last = full_pass_layerwise(params, cfg, prompt, resp0, plen, all_pos, key_valid,
                                                   both_mask, policy, cache_dtype)
     else:
         cache, logits, last = full_pass(resp0)
     if phase == "prefill":  # timing runs: the first full pass builds the prompt cache
-        return dict(prev=last, kv_bytes=policy.held_bytes(cache))
+        return dict(prev=last, kv_bytes=policy.held_bytes(cache), state=(cache, logits, last))
     # the layer-by-layer pass held the others' cut prompts plus one layer's whole prompt
     peak_bytes = policy.held_bytes(cache) + (plen * hkv * cache.bytes_per_token if layerwise else 0.0)
 

@@ -17,8 +17,11 @@ from .prefill import prefill
 from .state import BlockState, dense_bytes, probe_forward
 
 
-def block_causal_core(params, prompt, plen, key, draft=None, *, cfg, gen, policy, cache_dtype,
+def block_causal_core(params, prompt, plen, key, draft=None, prefilled=None, *, cfg, gen, policy, cache_dtype,
                       phase: str = "all"):
+    """Prefill, then blocks until every row is done. phase "prefill" stops after the prefill and
+    also returns its `state` (cache, logits, peak); phase "decode" starts from such a `prefilled`
+    state (timing the decode alone: experiments/bench_long_context.py)."""
     policy = policy.for_run(cfg, gen)  # automatic knobs fixed (a static, hashable policy)
     b, pb = prompt.shape
     bs, chunk, mask_id = gen.block_size, gen.prefill_chunk, cfg.mask_token_id
@@ -33,12 +36,15 @@ def block_causal_core(params, prompt, plen, key, draft=None, *, cfg, gen, policy
     ctx = StepContext(forward=probe_forward(params, cfg), prompt=padded, plen=plen, n_pre=n_pre,
                       block_size=bs, mask_id=mask_id, capacity=cap0, active=jnp.ones((b,), bool),
                       draft=draft)
-    cache = policy.empty_cache(cfg.num_layers, b, cfg.num_kv_heads, cap0, cfg.head_dim, cache_dtype,
-                               group_size=cfg.group_size)
-    cache, last_h, peak0 = prefill(params, cfg, gen, policy, constrain_cache(cache), ctx, n_chunks)
-    prev_logits = lm_head(params, cfg, last_h)
+    if phase == "decode":
+        cache, prev_logits, peak0 = prefilled
+    else:
+        cache = policy.empty_cache(cfg.num_layers, b, cfg.num_kv_heads, cap0, cfg.head_dim, cache_dtype,
+                                   group_size=cfg.group_size)
+        cache, last_h, peak0 = prefill(params, cfg, gen, policy, constrain_cache(cache), ctx, n_chunks)
+        prev_logits = lm_head(params, cfg, last_h)
     if phase == "prefill":  # timing runs: stop after the prompt is in the cache
-        return dict(prev=prev_logits, kv_bytes=policy.held_bytes(cache))
+        return dict(prev=prev_logits, kv_bytes=policy.held_bytes(cache), state=(cache, prev_logits, peak0))
 
     # first block: the prompt tail, then masks
     idx = n_pre[:, None] + jnp.arange(bs)[None]

@@ -45,11 +45,12 @@ _CORES = {}
 def _with_attention(core):
     """The core traced under the attention implementation its generation config asks for."""
     @functools.wraps(core)
-    def run(params, prompt, plen, key, draft=None, *, cfg, gen, policy, cache_dtype, phase: str = "all"):
+    def run(params, prompt, plen, key, draft=None, prefilled=None, *, cfg, gen, policy, cache_dtype,
+            phase: str = "all"):
         # dynamic / longrope RoPE fixed at the run's length (padded prompt + whole generated blocks)
         cfg = rope_for_run(cfg, prompt.shape[1] + -(-gen.max_new_tokens // gen.block_size) * gen.block_size)
         with attention.use(gen.attention, gen.attention_interpret):
-            return core(params, prompt, plen, key, draft, cfg=cfg, gen=gen, policy=policy,
+            return core(params, prompt, plen, key, draft, prefilled, cfg=cfg, gen=gen, policy=policy,
                         cache_dtype=cache_dtype, phase=phase)
     return run
 
@@ -226,11 +227,16 @@ def _prompt_arrays(prompts, cfg: ModelConfig, gen: ResolvedGeneration, bucket: i
 
 
 def lower(model, prompts: Sequence[Sequence[int]], config: GenerationConfig = GenerationConfig(),
-          policy=None, *, cache_dtype=None, bucket: int = 64, phase: str = "all"):
+          policy=None, *, cache_dtype=None, bucket: int = 64, phase: str = "all", prefilled=None):
     """The jitted generate core for these prompts, lowered but not run: (jax Lowered, args).
     `lowered.compile()` gives the program (`memory_analysis()`: XLA's temporary and argument
     bytes), `compiled(*args)` runs it; phase="prefill" is the program that only builds the
-    cache (time to first token). For benchmarks and ahead-of-time checks; no drafting pass."""
+    cache (time to first token) and also returns its `state`; phase="decode" with
+    `prefilled=` that state is the rest of the run alone (decode time without subtracting two
+    noisy end-to-end times). For benchmarks and ahead-of-time checks; no drafting pass."""
+    if (phase == "decode") != (prefilled is not None):
+        raise ValueError("phase='decode' takes prefilled= (the `state` of the prefill program's output), "
+                         "and only it does")
     cfg: ModelConfig = model.config
     gen = config.resolve(cfg)
     policy = policy if policy is not None else Dense()
@@ -239,6 +245,8 @@ def lower(model, prompts: Sequence[Sequence[int]], config: GenerationConfig = Ge
     arr, plen = _prompt_arrays(prompts, cfg, gen, bucket)
     dtype = jnp.dtype(cache_dtype or model.params["embed"].dtype)
     args = (model.params, jnp.asarray(arr), jnp.asarray(plen), jax.random.PRNGKey(config.seed))
+    if prefilled is not None:
+        args += (None, prefilled)
     fn = _core_fn(cfg, True)
     return fn.lower(*args, cfg=cfg, gen=gen, policy=policy, cache_dtype=dtype, phase=phase), args
 
