@@ -5,14 +5,15 @@ memory (`ru_maxrss`) is that case's alone; the parent collects one JSON line per
 growth exponent of each column between lengths (log-log slope), and writes everything as one
 JSON (--out) plus a markdown table on stdout.
 
-Per case (random prompt tokens, fixed output of --out-len tokens, stop at EOS off):
+Per case (random prompt tokens, fixed output of --out-len tokens, stop at EOS off), by --measure
+(memory: the first six fields and e2e_s; decode: prefill_s and the decode fields):
   rss_gb           peak resident memory of the process (model, compile and run included)
   rss_base_gb      resident memory after loading the model, before compiling
   xla_temp_gb      XLA's temporary buffers of the whole generate program (memory_analysis)
   prefill_s        the prefill program alone (builds the cache: time to the first block), its
                    second run (the first, untimed, pays the buffers' first touch)
   e2e_s            the whole program (prefill + decoding --out-len tokens), compiled beforehand, its
-                   second run (e2e_first_s: the first)
+                   second run
   decode_s         the decode alone: a program that starts from the prefill program's state
                    (engine.generate.lower(phase="decode")), its second run; decode_s_per_block
                    over the blocks decoded, decode_tok_s = out_len / decode_s
@@ -29,7 +30,10 @@ Tables (--table):
   python experiments/bench_long_context.py --table memory --lengths 2048,4096,8192,16384,32768 \
       --out docs/long_context/memory.json
   python experiments/bench_long_context.py --table throughput --lengths 1024,4096,8192,16384,32768 \
-      --out docs/long_context/throughput.json
+      --derive-from 16384 --out docs/long_context/throughput.json
+  python experiments/bench_long_context.py --table memory --measure decode --pct 1 \
+      --only testbed:dense,testbed:maskahead,testbed:q-maskahead --out docs/long_context/decode.json
+      (decode per block: --pct 1 is the floor's 512 entries at every length, a budget flat in T)
 """
 from __future__ import annotations
 
@@ -58,11 +62,26 @@ def _rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB on Linux
 
 
+def _timed(fn, args, warm: bool = True):
+    """(result, seconds of its second run): the first run of a program pays its buffers' first
+    touch (warm=False: the one run is timed)."""
+    import jax
+
+    if warm:
+        jax.block_until_ready(fn(*args))
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(fn(*args))
+    return out, time.perf_counter() - t0
+
+
 def run_case(model_name: str, policy: str, n: int, out_len: int, gen_kw: dict, pct: float,
-             schedule: str, prefill_only: bool = False) -> dict:
-    """One case in this process (see the module docstring for the fields). prefill_only: run the
-    prefill program alone (the no-cache schedule at lengths where every step's full forward
-    would take hours: the parent derives its decode time from it)."""
+             schedule: str, measure: str = "memory") -> dict:
+    """One case in this process (see the module docstring for the fields). measure: "memory"
+    (prefill, then the whole program: peak RSS, XLA's buffers, time to first token, end to end),
+    "decode" (prefill, then the decode program from its state: decode time; the RSS then holds
+    that state twice, not a memory figure), "prefill" (the prefill program alone: the no-cache
+    schedule at lengths where every step's full forward would take hours; the parent derives
+    its decode time)."""
     import jax
     import numpy as np
 
@@ -78,56 +97,40 @@ def run_case(model_name: str, policy: str, n: int, out_len: int, gen_kw: dict, p
     if schedule == "llada":  # a fixed number of tokens per step (LLaDA's schedule): 2 per step
         kw.update(commit_rule="llada", steps_per_block=cfg.block_size // 2)
     gen = mj.GenerationConfig(**kw)
+    evicting = policy != "dense" and not policy.startswith("maskkv")
     if policy == "dense":
         pol = None
     elif policy.startswith("maskkv"):
         pol = make(policy, None, budget_per_head=256, budget_pct=None)
     else:
         pol = make(policy, pct)
-    base = _rss_gb()
-    t0 = time.perf_counter()
+    row = dict(model=model_name, policy=policy, gen=gen_kw, schedule=schedule, prompt_len=n, out_len=out_len,
+               pct=pct if evicting else None, measure=measure, rss_base_gb=_rss_gb())
     pre, args = lower(model, [prompt], gen, pol, phase="prefill")
     pre = pre.compile()
-    jax.block_until_ready(pre(*args))  # warm: the first run of a program pays its buffers' first touch
-    t0 = time.perf_counter()
-    state = jax.block_until_ready(pre(*args))["state"]
-    prefill_s = time.perf_counter() - t0
-    if prefill_only:
+    out, row["prefill_s"] = _timed(pre, args)
+    if measure == "prefill":
         mem = pre.memory_analysis()
-        return dict(model=model_name, policy=policy, gen=gen_kw, schedule=schedule, prompt_len=n, out_len=out_len,
-                    pct=pct if policy not in ("dense",) and not policy.startswith("maskkv") else None,
-                    rss_gb=_rss_gb(), rss_base_gb=base, prefill_only=True,
-                    xla_temp_gb=getattr(mem, "temp_size_in_bytes", 0) / 2 ** 30, prefill_s=prefill_s,
+        return dict(row, rss_gb=_rss_gb(), xla_temp_gb=getattr(mem, "temp_size_in_bytes", 0) / 2 ** 30,
                     jax=jax.__version__, cpus=os.cpu_count())
-    # the decode alone: the rest of the run from the prefill's state, timed on its second run
-    dec, dargs = lower(model, [prompt], gen, pol, phase="decode", prefilled=state)
-    dec = dec.compile()
-    jax.block_until_ready(dec(*dargs))
-    t0 = time.perf_counter()
-    jax.block_until_ready(dec(*dargs))
-    decode_s = time.perf_counter() - t0
-    del state, dargs, dec
-    t0 = time.perf_counter()
-    full = lower(model, [prompt], gen, pol)[0].compile()
-    compile_s = time.perf_counter() - t0
-    mem = full.memory_analysis()
-    t0 = time.perf_counter()
-    jax.block_until_ready(full(*args))  # warm, as the prefill program
-    e2e_first_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    res = jax.block_until_ready(full(*args))
-    e2e_s = time.perf_counter() - t0
-    res = jax.tree_util.tree_map(np.asarray, res)
-    blocks = max(1, int(res["blocks"]))
-    return dict(model=model_name, policy=policy, gen=gen_kw, schedule=schedule, prompt_len=n, out_len=out_len,
-                pct=pct if policy not in ("dense",) and not policy.startswith("maskkv") else None,
-                rss_gb=_rss_gb(), rss_base_gb=base,
-                xla_temp_gb=getattr(mem, "temp_size_in_bytes", 0) / 2 ** 30,
-                xla_args_gb=getattr(mem, "argument_size_in_bytes", 0) / 2 ** 30,
-                compile_s=compile_s, prefill_s=prefill_s, e2e_s=e2e_s, e2e_first_s=e2e_first_s,
-                decode_s=decode_s, decode_s_per_block=decode_s / blocks, decode_tok_s=out_len / decode_s,
-                blocks=blocks,
-                kv_peak_mb=float(np.max(res["kv_peak"])) / 2 ** 20,
+    if measure == "decode":  # the rest of the run from the prefill's state
+        dec, dargs = lower(model, [prompt], gen, pol, phase="decode", prefilled=out["state"])
+        res, decode_s = _timed(dec.compile(), dargs)
+        res = jax.tree_util.tree_map(np.asarray, res)
+        blocks = max(1, int(res["blocks"]))
+        row.update(decode_s=decode_s, blocks=blocks, decode_s_per_block=decode_s / blocks,
+                   decode_tok_s=out_len / decode_s)
+    else:
+        del out
+        t0 = time.perf_counter()
+        full = lower(model, [prompt], gen, pol)[0].compile()
+        row["compile_s"] = time.perf_counter() - t0
+        mem = full.memory_analysis()
+        res, row["e2e_s"] = _timed(full, args)
+        res = jax.tree_util.tree_map(np.asarray, res)
+        row.update(rss_gb=_rss_gb(), xla_temp_gb=getattr(mem, "temp_size_in_bytes", 0) / 2 ** 30,
+                   xla_args_gb=getattr(mem, "argument_size_in_bytes", 0) / 2 ** 30)
+    return dict(row, kv_peak_mb=float(np.max(res["kv_peak"])) / 2 ** 20,
                 kv_end_mb=float(np.max(res["kv_bytes"])) / 2 ** 20,
                 forwards=int(res["nfe_batch"]), jax=jax.__version__, cpus=os.cpu_count())
 
@@ -150,6 +153,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="JSON file; cases already in it are kept (resume)")
     ap.add_argument("--case", default=None, help=argparse.SUPPRESS)  # one case, JSON: the child process
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per case")
+    ap.add_argument("--measure", choices=("memory", "decode"), default=None,
+                    help="memory: prefill + the whole program (peak RSS, XLA buffers, TTFT, end to end; the "
+                         "memory table's default); decode: prefill + the decode program (the throughput "
+                         "table's default)")
     ap.add_argument("--derive-from", type=int, default=0,
                     help="throughput table: from this prompt length on, the no-cache schedule "
                          "(prompt_refresh=1) runs its full forward once and its decode time is derived: "
@@ -162,10 +169,12 @@ def main(argv=None) -> int:
         return 0
     lengths = [int(x) for x in a.lengths.split(",")]
     schedule = "llada" if a.table == "throughput" else "model"
+    measure = a.measure or ("decode" if a.table == "throughput" else "memory")
     done = []
     if a.out and os.path.exists(a.out):
         done = json.load(open(a.out)).get("cases", [])
-    key = lambda r: (r["model"], r["policy"], json.dumps(r["gen"], sort_keys=True), r["prompt_len"])
+    key = lambda r: (r["model"], r["policy"], json.dumps(r["gen"], sort_keys=True), r["prompt_len"],
+                     r.get("measure", "memory"), r.get("pct"))
     have = {key(r) for r in done}
     only = set(filter(None, a.only.split(",")))
     for model_name, policy, gen_kw in TABLES[a.table]:
@@ -174,8 +183,11 @@ def main(argv=None) -> int:
         for n in lengths:
             c = dict(model_name=model_name, policy=policy, n=n, out_len=a.out_len, gen_kw=gen_kw, pct=a.pct,
                      schedule=schedule,
-                     prefill_only=bool(a.derive_from and n >= a.derive_from and gen_kw.get("prompt_refresh") == 1))
-            if (model_name, policy, json.dumps(gen_kw, sort_keys=True), n) in have:
+                     measure="prefill" if (a.derive_from and n >= a.derive_from and gen_kw.get("prompt_refresh") == 1)
+                     else measure)
+            evicting = policy != "dense" and not policy.startswith("maskkv")
+            if (model_name, policy, json.dumps(gen_kw, sort_keys=True), n, c["measure"],
+                    a.pct if evicting else None) in have:
                 continue
             t0 = time.time()
             load_before = os.getloadavg()[0]
@@ -184,10 +196,10 @@ def main(argv=None) -> int:
                                    capture_output=True, text=True, timeout=a.timeout)
                 lines = [ln for ln in p.stdout.splitlines() if ln.startswith("CASE ")]
                 row = json.loads(lines[-1][5:]) if lines else dict(
-                    model=model_name, policy=policy, gen=gen_kw, prompt_len=n,
+                    model=model_name, policy=policy, gen=gen_kw, prompt_len=n, measure=c["measure"],
                     error=(p.stderr.strip().splitlines() or ["no output"])[-1])
             except subprocess.TimeoutExpired:
-                row = dict(model=model_name, policy=policy, gen=gen_kw, prompt_len=n,
+                row = dict(model=model_name, policy=policy, gen=gen_kw, prompt_len=n, measure=c["measure"],
                            error=f"over {a.timeout} s")
             row["wall_s"] = time.time() - t0
             row["load_avg_1m"] = [load_before, os.getloadavg()[0]]  # idle cores: about 1 (this case) or less
@@ -197,7 +209,7 @@ def main(argv=None) -> int:
                 os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
                 json.dump(dict(table=a.table, cases=done), open(a.out, "w"), indent=1)
     for r in done:  # the no-cache schedule's derived rows
-        if r.get("prefill_only") and "error" not in r:
+        if r.get("measure") == "prefill" and "error" not in r:
             ref = [x for x in done if x["model"] == r["model"] and x["gen"] == r["gen"] and "forwards" in x]
             if ref:
                 fw = max(ref, key=lambda x: x["prompt_len"])["forwards"]
