@@ -267,7 +267,7 @@ def test_aligned_appends_without_an_open_group_still_refuse_partial_groups():
         kvc.append(qc, k, v, jnp.arange(8, dtype=jnp.int32)[None], jnp.array([8]))
 
 
-@pytest.mark.parametrize("bs,d,chunk", [(4, 32, 64), (8, 32, 40), (8, 96, 48), (16, 128, 64)])
+@pytest.mark.parametrize("bs,d,chunk", [(4, 32, 64), (8, 96, 48), (16, 128, 64)])  # chunks 64 / 48: aligned and not
 def test_small_blocks_and_head_sizes_match_the_simulated_cache(bs, d, chunk):
     """Q-MaskAhead at block sizes 4 / 8 / 16 (SDAR's) and head sizes 32 / 96 / 128, with the
     policy's defaults: the open group turns on by itself (block or chunk not a multiple of 32),
