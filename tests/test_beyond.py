@@ -5,6 +5,7 @@ the top entries by a numpy ranking, memory bounded; bad settings are clear error
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 from maskahead_jax.config import GenerationConfig
-from maskahead_jax.generate import generate
+from maskahead_jax.generate import BudgetWarning, generate
 from maskahead_jax.policies import MaskAhead, PolicyError, QuestionAwareMaskAhead, StepContext, make
 from maskahead_jax.policies.eviction import Eviction
 from maskahead_jax.policies.probes import Lookahead, Question, QuestionLookahead
@@ -259,26 +260,16 @@ def test_draft_past_answer_drafts_draft_tokens_whatever_the_answer_limit():
     n, first = past.draft_pass(8)
     assert n == 12 and first == dataclasses.replace(pol, draft_tokens=0) and first.draft_pass(8) is None
     gc = GenerationConfig(max_new_tokens=4, prefill_chunk=32, stop_at_eos=False)
-    out = generate(m, _prompts((70,)), gc, policy=past)
-    assert out.stats["draft"]["tokens"] == [12] and len(out.tokens[0]) == 4
-    with pytest.raises(PolicyError, match="draft_past_answer=True needs draft_tokens"):
-        generate(m, [[1, 2, 3]], gc, policy=QuestionAwareMaskAhead(**SMALL, draft_past_answer=True))
-
-
-def test_a_drafted_run_warns_of_its_budget_once():
-    """The first pass's BudgetWarning is the run's own note: it is given once, not once per pass."""
-    import warnings
-
-    from maskahead_jax.generate import BudgetWarning
-
-    m = tiny_model("sdar", num_layers=2)
-    pol = QuestionAwareMaskAhead(**SMALL, question_tokens=12, draft_tokens=4)
-    assert pol.budget_note([70])  # capacity_floor=24 of a 70-token prompt: more than 10%
+    assert past.budget_note([70])  # capacity_floor=24 of a 70-token prompt: more than 10%
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        generate(m, _prompts((70,)), GenerationConfig(max_new_tokens=4, prefill_chunk=32), policy=pol)
+        out = generate(m, _prompts((70,)), gc, policy=past)
+    assert out.stats["draft"]["tokens"] == [12] and len(out.tokens[0]) == 4
+    # the first pass's BudgetWarning is the run's own note: given once, not once per pass
     notes = [w for w in caught if issubclass(w.category, BudgetWarning)]
-    assert [str(w.message) for w in notes] == [pol.budget_note([70])]
+    assert [str(w.message) for w in notes] == [past.budget_note([70])]
+    with pytest.raises(PolicyError, match="draft_past_answer=True needs draft_tokens"):
+        generate(m, [[1, 2, 3]], gc, policy=QuestionAwareMaskAhead(**SMALL, draft_past_answer=True))
 
 
 def test_q_maskahead_draft_is_q_maskahead_qa_with_a_96_token_draft_and_mean_max_rows():
