@@ -195,3 +195,22 @@ def test_known_cycles_still_exist():
     comps = strongly_connected(_graph()[2])
     stale = [sorted(c) for c in KNOWN_CYCLES if c not in comps]
     assert not stale, f"these known cycles are gone, remove them from KNOWN_CYCLES: {stale}"
+
+
+def test_modules_and_functions_stay_small():
+    """Issue 54's size rule for the library: no module of maskahead_jax/ over 400 lines, no
+    function (or method) over 80; a module that grows past it is split by job."""
+    big_modules, big_functions = [], []
+    for mod, path in _modules().items():
+        if not mod.startswith("maskahead_jax"):
+            continue
+        with open(path, encoding="utf-8") as f:
+            src = f.read()
+        if src.count("\n") > 400:
+            big_modules.append(f"{mod}: {src.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(src, path)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > 80:
+                    big_functions.append(f"{mod}.{node.name}: {n} lines")
+    assert big_modules == [] and big_functions == []
