@@ -174,7 +174,7 @@ def main(argv=None) -> int:
     if a.out and os.path.exists(a.out):
         done = json.load(open(a.out)).get("cases", [])
     key = lambda r: (r["model"], r["policy"], json.dumps(r["gen"], sort_keys=True), r["prompt_len"],
-                     r.get("measure", "memory"), r.get("pct"))
+                     r.get("measure", "memory"), r.get("pct"), r.get("out_len", 64))
     have = {key(r) for r in done}
     only = set(filter(None, a.only.split(",")))
     for model_name, policy, gen_kw in TABLES[a.table]:
@@ -187,7 +187,7 @@ def main(argv=None) -> int:
                      else measure)
             evicting = policy != "dense" and not policy.startswith("maskkv")
             if (model_name, policy, json.dumps(gen_kw, sort_keys=True), n, c["measure"],
-                    a.pct if evicting else None) in have:
+                    a.pct if evicting else None, a.out_len) in have:
                 continue
             t0 = time.time()
             load_before = os.getloadavg()[0]
@@ -218,13 +218,18 @@ def main(argv=None) -> int:
                          decode_s_per_block=dec / max(1, math.ceil(r["out_len"] / 32)),
                          decode_tok_s=r["out_len"] / dec)
     fits = []
-    for model_name, policy, gen_kw in TABLES[a.table]:
-        rows = sorted((r for r in done if r["model"] == model_name and r["policy"] == policy
-                       and r["gen"] == gen_kw and "error" not in r), key=lambda r: r["prompt_len"])
+    series = {}  # one growth fit per series: the same case but its prompt length
+    for r in done:
+        if "error" not in r:
+            series.setdefault(key(r)[:3] + key(r)[4:], []).append(r)
+    for rows in series.values():
+        rows.sort(key=lambda r: r["prompt_len"])
         if len(rows) >= 2:
+            r0 = rows[0]
             lo, hi = rows[0]["prompt_len"], rows[-1]["prompt_len"]
             mid = 8192 if any(r["prompt_len"] == 8192 for r in rows) and hi > 8192 else lo
-            fits.append(dict(model=model_name, policy=policy, gen=gen_kw, lo=mid, hi=hi, **{
+            fits.append(dict(model=r0["model"], policy=r0["policy"], gen=r0["gen"], measure=r0.get("measure", "memory"),
+                             pct=r0.get("pct"), out_len=r0.get("out_len"), lo=mid, hi=hi, **{
                 f"exp_{k}": slope(rows, k, mid, hi) for k in
                 ("rss_gb", "xla_temp_gb", "prefill_s", "e2e_s", "decode_s_per_block", "kv_peak_mb")}))
     if a.out:
