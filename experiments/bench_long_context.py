@@ -62,20 +62,22 @@ def _rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB on Linux
 
 
-def _timed(fn, args, warm: bool = True):
-    """(result, seconds of its second run): the first run of a program pays its buffers' first
-    touch (warm=False: the one run is timed)."""
+def _timed(fn, args, repeats: int = 1):
+    """(result, the median seconds of `repeats` runs after a first, untimed one: the first run of
+    a program pays its buffers' first touch)."""
     import jax
 
-    if warm:
-        jax.block_until_ready(fn(*args))
-    t0 = time.perf_counter()
-    out = jax.block_until_ready(fn(*args))
-    return out, time.perf_counter() - t0
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return out, sorted(times)[len(times) // 2]
 
 
 def run_case(model_name: str, policy: str, n: int, out_len: int, gen_kw: dict, pct: float,
-             schedule: str, measure: str = "memory") -> dict:
+             schedule: str, measure: str = "memory", decode_repeats: int = 1) -> dict:
     """One case in this process (see the module docstring for the fields). measure: "memory"
     (prefill, then the whole program: peak RSS, XLA's buffers, time to first token, end to end),
     "decode" (prefill, then the decode program from its state: decode time; the RSS then holds
@@ -115,10 +117,10 @@ def run_case(model_name: str, policy: str, n: int, out_len: int, gen_kw: dict, p
                     jax=jax.__version__, cpus=os.cpu_count())
     if measure == "decode":  # the rest of the run from the prefill's state
         dec, dargs = lower(model, [prompt], gen, pol, phase="decode", prefilled=out["state"])
-        res, decode_s = _timed(dec.compile(), dargs)
+        res, decode_s = _timed(dec.compile(), dargs, decode_repeats)
         res = jax.tree_util.tree_map(np.asarray, res)
         blocks = max(1, int(res["blocks"]))
-        row.update(decode_s=decode_s, blocks=blocks, decode_s_per_block=decode_s / blocks,
+        row.update(decode_s=decode_s, decode_repeats=decode_repeats, blocks=blocks, decode_s_per_block=decode_s / blocks,
                    decode_tok_s=out_len / decode_s)
     else:
         del out
@@ -157,6 +159,7 @@ def main(argv=None) -> int:
                     help="memory: prefill + the whole program (peak RSS, XLA buffers, TTFT, end to end; the "
                          "memory table's default); decode: prefill + the decode program (the throughput "
                          "table's default)")
+    ap.add_argument("--decode-repeats", type=int, default=1, help="--measure decode: the median of this many runs")
     ap.add_argument("--derive-from", type=int, default=0,
                     help="throughput table: from this prompt length on, the no-cache schedule "
                          "(prompt_refresh=1) runs its full forward once and its decode time is derived: "
@@ -174,7 +177,8 @@ def main(argv=None) -> int:
     if a.out and os.path.exists(a.out):
         done = json.load(open(a.out)).get("cases", [])
     key = lambda r: (r["model"], r["policy"], json.dumps(r["gen"], sort_keys=True), r["prompt_len"],
-                     r.get("measure", "memory"), r.get("pct"), r.get("out_len", 64))
+                     r.get("measure", "memory"), r.get("pct"), r.get("out_len", 64),
+                     r.get("decode_repeats", 1))
     have = {key(r) for r in done}
     only = set(filter(None, a.only.split(",")))
     for model_name, policy, gen_kw in TABLES[a.table]:
@@ -184,10 +188,11 @@ def main(argv=None) -> int:
             c = dict(model_name=model_name, policy=policy, n=n, out_len=a.out_len, gen_kw=gen_kw, pct=a.pct,
                      schedule=schedule,
                      measure="prefill" if (a.derive_from and n >= a.derive_from and gen_kw.get("prompt_refresh") == 1)
-                     else measure)
+                     else measure, decode_repeats=a.decode_repeats)
             evicting = policy != "dense" and not policy.startswith("maskkv")
             if (model_name, policy, json.dumps(gen_kw, sort_keys=True), n, c["measure"],
-                    a.pct if evicting else None, a.out_len) in have:
+                    a.pct if evicting else None, a.out_len,
+                    a.decode_repeats if c["measure"] == "decode" else 1) in have:
                 continue
             t0 = time.time()
             load_before = os.getloadavg()[0]

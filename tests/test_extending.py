@@ -58,3 +58,51 @@ def test_keynorm_example_registers_runs_and_keeps_the_largest_keys(tmp_path, mon
     assert sorted(r["policy"] for r in rows) == ["dense", "keynorm"]
     (kn,) = [r for r in rows if r["policy"] == "keynorm"]
     assert kn["capacity"] == 10.0 and kn["reduction_final"] > 1.0  # it evicted
+
+
+def test_tova_example_probes_the_newest_stored_token(tmp_path, monkeypatch):
+    """docs/extending.md's second file: its probe forwards, at every eviction, the newest stored
+    token at its own position (the prompt's last stored token first, then the last committed
+    one), and the policy evicts to its budget through generate."""
+    import dataclasses
+
+    import jax
+
+    from maskahead_jax import GenerationConfig, generate
+    from tiny import tiny_model
+
+    (tmp_path / "tova.py").write_text(_blocks("python")[2])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    monkeypatch.delitem(sys.modules, "tova", raising=False)
+    import tova
+
+    assert type(make("tova", 10)).__name__ == "Tova"
+    seen = []
+
+    @dataclasses.dataclass(frozen=True)
+    class Spy(tova.NewestQuery):
+        def mass(self, cache, ctx):
+            pos = jnp.maximum((ctx.n_pre if ctx.start is None else ctx.start) - 1, 0)
+            jax.debug.callback(lambda p, g: seen.append((np.asarray(p), np.asarray(g))), pos, ctx.generated,
+                               ordered=True)
+            return super().mass(cache, ctx)
+
+    @dataclasses.dataclass(frozen=True)
+    class SpyTova(tova.Tova):
+        @property
+        def eviction(self):
+            return dataclasses.replace(super().eviction, probe=Spy())
+
+    m = tiny_model("sdar", num_layers=2)
+    prompts = [list(range(5, 105)), list(range(7, 77))]
+    gc = GenerationConfig(max_new_tokens=24, block_size=8, prefill_chunk=32, stop_at_eos=False)
+    out = generate(m, prompts, gc, policy=SpyTova(capacity_pct=20, capacity_floor=8))
+    assert out.stats["evictions"] >= 2 and min(out.stats["reduction_final"]) > 1.0
+    n_pre = [len(p) // 8 * 8 for p in prompts]
+    assert [int(x) for x in seen[0][0]] == [n - 1 for n in n_pre]  # the first: the prompt's last stored token
+    for pos, gen in seen[1:]:  # later: a committed token, the one generate returned at that position
+        for row, p in enumerate(pos):
+            assert p >= n_pre[row]
+            full = prompts[row] + list(out.tokens[row])
+            assert int(gen[row][p - n_pre[row]]) == full[p]
