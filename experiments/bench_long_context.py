@@ -62,12 +62,13 @@ def _rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB on Linux
 
 
-def _timed(fn, args, repeats: int = 1):
+def _timed(fn, args, repeats: int = 1, warm: bool = True):
     """(result, the median seconds of `repeats` runs after a first, untimed one: the first run of
-    a program pays its buffers' first touch)."""
+    a program pays its buffers' first touch; warm=False: no untimed run)."""
     import jax
 
-    jax.block_until_ready(fn(*args))
+    if warm:
+        jax.block_until_ready(fn(*args))
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -77,7 +78,7 @@ def _timed(fn, args, repeats: int = 1):
 
 
 def run_case(model_name: str, policy: str, n: int, out_len: int, gen_kw: dict, pct: float,
-             schedule: str, measure: str = "memory", decode_repeats: int = 1) -> dict:
+             schedule: str, measure: str = "memory", decode_repeats: int = 1, warm: bool = True) -> dict:
     """One case in this process (see the module docstring for the fields). measure: "memory"
     (prefill, then the whole program: peak RSS, XLA's buffers, time to first token, end to end),
     "decode" (prefill, then the decode program from its state: decode time; the RSS then holds
@@ -107,10 +108,10 @@ def run_case(model_name: str, policy: str, n: int, out_len: int, gen_kw: dict, p
     else:
         pol = make(policy, pct)
     row = dict(model=model_name, policy=policy, gen=gen_kw, schedule=schedule, prompt_len=n, out_len=out_len,
-               pct=pct if evicting else None, measure=measure, rss_base_gb=_rss_gb())
+               pct=pct if evicting else None, measure=measure, warm=warm, rss_base_gb=_rss_gb())
     pre, args = lower(model, [prompt], gen, pol, phase="prefill")
     pre = pre.compile()
-    out, row["prefill_s"] = _timed(pre, args)
+    out, row["prefill_s"] = _timed(pre, args, warm=warm)
     if measure == "prefill":
         mem = pre.memory_analysis()
         return dict(row, rss_gb=_rss_gb(), xla_temp_gb=getattr(mem, "temp_size_in_bytes", 0) / 2 ** 30,
@@ -128,7 +129,7 @@ def run_case(model_name: str, policy: str, n: int, out_len: int, gen_kw: dict, p
         full = lower(model, [prompt], gen, pol)[0].compile()
         row["compile_s"] = time.perf_counter() - t0
         mem = full.memory_analysis()
-        res, row["e2e_s"] = _timed(full, args)
+        res, row["e2e_s"] = _timed(full, args, warm=warm)
         res = jax.tree_util.tree_map(np.asarray, res)
         row.update(rss_gb=_rss_gb(), xla_temp_gb=getattr(mem, "temp_size_in_bytes", 0) / 2 ** 30,
                    xla_args_gb=getattr(mem, "argument_size_in_bytes", 0) / 2 ** 30)
@@ -160,6 +161,9 @@ def main(argv=None) -> int:
                          "memory table's default); decode: prefill + the decode program (the throughput "
                          "table's default)")
     ap.add_argument("--decode-repeats", type=int, default=1, help="--measure decode: the median of this many runs")
+    ap.add_argument("--once", action="store_true",
+                    help="run each program once (no untimed first run): memory only, e.g. beside other jobs; "
+                         "its times include the buffers' first touch (rows say warm: false)")
     ap.add_argument("--derive-from", type=int, default=0,
                     help="throughput table: from this prompt length on, the no-cache schedule "
                          "(prompt_refresh=1) runs its full forward once and its decode time is derived: "
@@ -188,7 +192,7 @@ def main(argv=None) -> int:
             c = dict(model_name=model_name, policy=policy, n=n, out_len=a.out_len, gen_kw=gen_kw, pct=a.pct,
                      schedule=schedule,
                      measure="prefill" if (a.derive_from and n >= a.derive_from and gen_kw.get("prompt_refresh") == 1)
-                     else measure, decode_repeats=a.decode_repeats)
+                     else measure, decode_repeats=a.decode_repeats, warm=not a.once)
             evicting = policy != "dense" and not policy.startswith("maskkv")
             if (model_name, policy, json.dumps(gen_kw, sort_keys=True), n, c["measure"],
                     a.pct if evicting else None, a.out_len,
