@@ -161,6 +161,9 @@ def main(argv=None) -> int:
                          "memory table's default); decode: prefill + the decode program (the throughput "
                          "table's default)")
     ap.add_argument("--decode-repeats", type=int, default=1, help="--measure decode: the median of this many runs")
+    ap.add_argument("--schedule", choices=("model", "llada"), default=None,
+                    help="model: the model's commit rule (the memory table's default); llada: a fixed 2 tokens per "
+                         "step (the throughput table's), the same forwards at every length")
     ap.add_argument("--once", action="store_true",
                     help="run each program once (no untimed first run): memory only, e.g. beside other jobs; "
                          "its times include the buffers' first touch (rows say warm: false)")
@@ -175,14 +178,14 @@ def main(argv=None) -> int:
         print("CASE " + json.dumps(run_case(**c)), flush=True)
         return 0
     lengths = [int(x) for x in a.lengths.split(",")]
-    schedule = "llada" if a.table == "throughput" else "model"
+    schedule = a.schedule or ("llada" if a.table == "throughput" else "model")
     measure = a.measure or ("decode" if a.table == "throughput" else "memory")
     done = []
     if a.out and os.path.exists(a.out):
         done = json.load(open(a.out)).get("cases", [])
     key = lambda r: (r["model"], r["policy"], json.dumps(r["gen"], sort_keys=True), r["prompt_len"],
                      r.get("measure", "memory"), r.get("pct"), r.get("out_len", 64),
-                     r.get("decode_repeats", 1))
+                     r.get("decode_repeats", 1), r.get("schedule", "model"))
     have = {key(r) for r in done}
     only = set(filter(None, a.only.split(",")))
     for model_name, policy, gen_kw in TABLES[a.table]:
@@ -196,7 +199,7 @@ def main(argv=None) -> int:
             evicting = policy != "dense" and not policy.startswith("maskkv")
             if (model_name, policy, json.dumps(gen_kw, sort_keys=True), n, c["measure"],
                     a.pct if evicting else None, a.out_len,
-                    a.decode_repeats if c["measure"] == "decode" else 1) in have:
+                    a.decode_repeats if c["measure"] == "decode" else 1, schedule) in have:
                 continue
             t0 = time.time()
             load_before = os.getloadavg()[0]
