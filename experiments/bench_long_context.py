@@ -170,8 +170,8 @@ def main(argv=None) -> int:
     ap.add_argument("--derive-from", type=int, default=0,
                     help="throughput table: from this prompt length on, the no-cache schedule "
                          "(prompt_refresh=1) runs its full forward once and its decode time is derived: "
-                         "(forwards - 1) x that forward, forwards from the longest measured run "
-                         "(the schedule is fixed); such rows say derived: true")
+                         "(forwards - 1) x that forward x the longest measured run's decode / ((forwards - 1) "
+                         "x its prefill) (the schedule is fixed); such rows say derived: true")
     a = ap.parse_args(argv)
     if a.case:
         c = json.loads(a.case)
@@ -222,12 +222,15 @@ def main(argv=None) -> int:
                 json.dump(dict(table=a.table, cases=done), open(a.out, "w"), indent=1)
     for r in done:  # the no-cache schedule's derived rows
         if r.get("measure") == "prefill" and "error" not in r:
-            ref = [x for x in done if x["model"] == r["model"] and x["gen"] == r["gen"] and "forwards" in x]
-            if ref:
-                fw = max(ref, key=lambda x: x["prompt_len"])["forwards"]
-                dec = (fw - 1) * r["prefill_s"]
-                r.update(derived=True, forwards=fw, decode_s=dec, e2e_s=dec + r["prefill_s"],
-                         decode_s_per_block=dec / max(1, math.ceil(r["out_len"] / 32)),
+            ref = [x for x in done if x["model"] == r["model"] and x["gen"] == r["gen"] and x.get("decode_s")
+                   and not x.get("derived")]
+            if ref:  # the longest measured run: its forwards, and its decode time per (forwards - 1) prefills
+                x = max(ref, key=lambda x: x["prompt_len"])
+                fw = x["forwards"]
+                factor = x["decode_s"] / ((fw - 1) * x["prefill_s"])
+                dec = factor * (fw - 1) * r["prefill_s"]
+                r.update(derived=True, derived_from=x["prompt_len"], derive_factor=factor, forwards=fw,
+                         decode_s=dec, decode_s_per_block=dec / max(1, math.ceil(r["out_len"] / 32)),
                          decode_tok_s=r["out_len"] / dec)
     fits = []
     series = {}  # one growth fit per series: the same case but its prompt length
