@@ -20,7 +20,9 @@ class CLIError(Exception):
 
 
 
-def one_line(text: str, limit: int = 500) -> str:
+def one_line(text: str, limit: int = 1000) -> str:
+    """The first non-empty line, cut at `limit` characters (a foreign error's page-long line);
+    ours carry paths (a hub cache, a checkpoint folder) and stay whole well past 500."""
     lines = [x.strip() for x in str(text).splitlines() if x.strip()]
     first = lines[0] if lines else ""
     if len(first) > limit:
