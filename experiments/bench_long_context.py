@@ -62,6 +62,11 @@ def _rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB on Linux
 
 
+def _takes_pct(policy: str) -> bool:
+    """Whether --pct is the case's budget: the block-causal evicting policies (MaskKV has 256 per head)."""
+    return policy != "dense" and not policy.startswith("maskkv")
+
+
 def _timed(fn, args, repeats: int = 1, warm: bool = True):
     """(result, the median seconds of `repeats` runs after a first, untimed one: the first run of
     a program pays its buffers' first touch; warm=False: no untimed run)."""
@@ -100,7 +105,7 @@ def run_case(model_name: str, policy: str, n: int, out_len: int, gen_kw: dict, p
     if schedule == "llada":  # a fixed number of tokens per step (LLaDA's schedule): 2 per step
         kw.update(commit_rule="llada", steps_per_block=cfg.block_size // 2)
     gen = mj.GenerationConfig(**kw)
-    evicting = policy != "dense" and not policy.startswith("maskkv")
+    evicting = _takes_pct(policy)
     if policy == "dense":
         pol = None
     elif policy.startswith("maskkv"):
@@ -196,7 +201,7 @@ def main(argv=None) -> int:
                      schedule=schedule,
                      measure="prefill" if (a.derive_from and n >= a.derive_from and gen_kw.get("prompt_refresh") == 1)
                      else measure, decode_repeats=a.decode_repeats, warm=not a.once)
-            evicting = policy != "dense" and not policy.startswith("maskkv")
+            evicting = _takes_pct(policy)
             if (model_name, policy, json.dumps(gen_kw, sort_keys=True), n, c["measure"],
                     a.pct if evicting else None, a.out_len,
                     a.decode_repeats if c["measure"] == "decode" else 1, schedule) in have:

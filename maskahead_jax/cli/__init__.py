@@ -19,7 +19,7 @@ from .args import check_out_dir, check_out_file
 from .common import (TESTBED, Parser, build_run_policies, jax_backend, load_model, model_config, model_path,
                      policy_names, version_string)
 from .errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_STATUS, EXIT_USAGE, CLIError, describe_error
-from .evaluate import rows_saved
+from .evaluate import interrupted_line
 
 # one module per subcommand, each with add_parser(sub, known) and run(args)
 COMMANDS = (generate, evaluate, profile, lower, demo)
@@ -45,8 +45,7 @@ def interrupted_message(args) -> str:
     """The line Ctrl-C prints (interrupt.py): an eval says how many rows are saved."""
     out = getattr(args, "out", None)
     if args.cmd == "eval" and out and os.path.exists(os.path.join(out, "results.jsonl")):
-        return (f"maskahead eval: interrupted; {rows_saved(out)} rows saved in "
-                f"{os.path.join(out, 'results.jsonl')}, rerun the same command to resume")
+        return interrupted_line(out)
     return f"maskahead {args.cmd}: interrupted"
 
 

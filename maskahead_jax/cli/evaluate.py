@@ -75,6 +75,12 @@ def rows_saved(out_dir: str) -> int:
         return 0
 
 
+def interrupted_line(out_dir: str) -> str:
+    """What an interrupted eval says: how many rows are saved where, and how to resume."""
+    return (f"maskahead eval: interrupted; {rows_saved(out_dir)} rows saved in "
+            f"{os.path.join(out_dir, 'results.jsonl')}, rerun the same command to resume")
+
+
 def run(args) -> int:
     """An evaluation: examples x policies x budgets, resumable (docs/evaluation.md)."""
     from ..evaluation import datasets as D
@@ -121,9 +127,7 @@ def run(args) -> int:
                         mesh=args.mesh,
                         model_path=os.path.realpath(path), dataset=dataset)
     except KeyboardInterrupt:
-        results = os.path.join(args.out, "results.jsonl")
-        print(f"\nmaskahead eval: interrupted; {rows_saved(args.out)} rows saved in {results}, rerun the "
-              f"same command to resume", file=sys.stderr)
+        print("\n" + interrupted_line(args.out), file=sys.stderr)
         return EXIT_INTERRUPTED
     return report(res)
 
@@ -251,8 +255,7 @@ def run_sweep_preset(args) -> int:
                         model_path=os.path.realpath(path), dataset=dataset, score_datasets=sp.score_datasets,
                         order=sp.order)
     except KeyboardInterrupt:
-        print(f"\nmaskahead eval: interrupted; {rows_saved(args.out)} rows saved in "
-              f"{os.path.join(args.out, 'results.jsonl')}, rerun the same command to resume", file=sys.stderr)
+        print("\n" + interrupted_line(args.out), file=sys.stderr)
         return EXIT_INTERRUPTED
     return report(res)
 
