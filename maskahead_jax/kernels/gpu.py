@@ -54,6 +54,11 @@ ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a [64, n] WGMMA array
 COL = plgpu.Layout.WGMMA.reduce(0)  # one value per column
 
 
+def _transposed(ref):
+    """[T, D] ref as [D, T]: ref.transpose (plgpu.transpose_ref was removed in jax 0.12.1)."""
+    return ref.transpose((1, 0)) if hasattr(ref, "transpose") else plgpu.transpose_ref(ref, (1, 0))
+
+
 def plan(n: int, tile=None, splits=None) -> tuple[int, int, int]:
     """(tile, splits, padded length): tiles are multiples of 64 tokens (the PV wgmma K)."""
     tile = tile or DEFAULT_TILE
@@ -204,7 +209,7 @@ def _logits(q_refs, k_refs, tile, scale):
     """S [64, tile] f32 = sum over planes of q_p k_p^T (wgmma, B transposed in SMEM)."""
     def qk(acc_ref):
         for qr, kr in zip(q_refs, k_refs):
-            plgpu.wgmma(acc_ref, qr, plgpu.transpose_ref(kr, (1, 0)))
+            plgpu.wgmma(acc_ref, qr, _transposed(kr))
         plgpu.wgmma_wait(0)
         return acc_ref[...]
 
