@@ -73,6 +73,9 @@ class _LazyJit:
     def lower(self, *args, **kwargs):
         return self.jitted.lower(*args, **kwargs)
 
+    def trace(self, *args, **kwargs):
+        return self.jitted.trace(*args, **kwargs)
+
     def _cache_size(self) -> int:
         return self._jitted._cache_size() if self._jitted is not None else 0
 

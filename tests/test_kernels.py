@@ -274,18 +274,35 @@ GPU_INTERPRETER_GAPS = (
     "the Mosaic GPU interpreter (InterpretGPUParams, jax 0.10.2 and 0.12) cannot execute these "
     "kernels: it has no rule for run_state (the wgmma accumulator idiom), layout_cast or "
     "plgpu.load, and it rejects transposed wgmma operands (TransposeTransform) and register "
-    "A operands; the Mosaic GPU kernels are checked by CUDA lowering here and on the device")
+    "A operands; jax 0.12.1's gets further and stops inside its own callback at copy_smem_to_gmem "
+    "('predicate not supported', a JaxRuntimeError); the Mosaic GPU kernels are checked by CUDA "
+    "lowering here and on the device")
+
+
+def _interpreter_gap(e: Exception) -> bool:
+    """A gap of the Mosaic GPU interpreter, not a wrong kernel: raised directly (0.10-0.12.0) or,
+    from 0.12.1, as a JaxRuntimeError wrapping the interpreter callback's NotImplementedError."""
+    if isinstance(e, (NotImplementedError, AttributeError, ValueError)):
+        return True
+    return isinstance(e, jax.errors.JaxRuntimeError) and "NotImplementedError" in str(e)
+
+
+def _last_line(e: Exception) -> str:
+    lines = [ln for ln in str(e).splitlines() if "Error" in ln]
+    return lines[-1].strip() if lines else str(e)
 
 
 def test_gpu_kernel_interpret_mode():
     args = _inputs(128, seed=5, dtype=jnp.bfloat16)
     try:
         got = dispatch.scored_attention(*args, impl="pallas_gpu", interpret=True)
-    except (NotImplementedError, AttributeError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - anything that is not an interpreter gap is re-raised
+        if not _interpreter_gap(e):
+            raise
         from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import (
             reset_gpu_interpret_mode_state)
         reset_gpu_interpret_mode_state()
-        pytest.skip(f"{GPU_INTERPRETER_GAPS} ({type(e).__name__}: {str(e)[:80]})")
+        pytest.skip(f"{GPU_INTERPRETER_GAPS} ({type(e).__name__}: {_last_line(e)[:80]})")
     _close(got, reference.attention(*args), dict(rtol=3e-2, atol=3e-2))
 
 

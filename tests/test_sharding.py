@@ -231,7 +231,7 @@ def test_shard_params_places_leaves():
 # ----------------------------------------------------------------------------- 8 CPU devices
 def _check_parity(recs):
     """Every row equals the unsharded run's tokens, except rows the unsharded run itself changes
-    under ~1-ulp parameter noise (parity.py's float_sensitive_rows: no exact answer exists
+    under a few ulps of parameter noise (parity.py's float_sensitive_rows: no exact answer exists
     there); at least one row of each run must be compared exactly."""
     ran = [r for r in recs if "skipped" not in r]
     bad = []

@@ -11,11 +11,13 @@ import time
 
 from common import Q_MODEL, is_quantized, make_policy, prompts, setup
 
-NOISE_REL = 1e-7  # ~1 float32 ulp: the size of a reordered sum's error
+# a few float32 ulps: a sum over hundreds of terms, reordered by sharding, errs by several ulps (1e-7,
+# one ulp, stopped flagging a row that a data=2,model=4 run flips under jax 0.12.1's CPU compiler)
+NOISE_REL = 3e-7
 
 
 def float_sensitive_rows(generate, model, ps, gc, policy, ref_tokens, seeds=(0, 1, 2)):
-    """Rows whose unsharded tokens change when every parameter moves by ~1 ulp (random signs).
+    """Rows whose unsharded tokens change when every parameter moves by a few ulps (random signs).
 
     A sharded run sums in another order, so its floats differ from the unsharded run's by this
     much; a row that flips under such noise (a 4-bit rounding or a commit threshold on a knife
