@@ -64,7 +64,7 @@ def main(argv=None) -> int:
             t0 = time.time()
             try:
                 pol = make(name, 10) if takes_budget(name) else make(name)
-                pol.validate(m.config, gen)
+                pol.check_run(m.config, gen)
             except (PolicyError, ValueError) as e:
                 print(json.dumps(dict(family=fam, policy=name, refused=str(e).splitlines()[0])))
                 continue

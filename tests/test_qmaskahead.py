@@ -14,8 +14,7 @@ from maskahead_jax import quant
 from maskahead_jax.cache import QKVCache, choose_slots, packed, packed_layout, simulated
 from maskahead_jax.config import GenerationConfig
 from maskahead_jax.generate import generate
-from maskahead_jax.policies import (MaskAhead, PolicyError, QMaskAhead, QuestionAwareMaskAhead,
-                                   QuestionAwareQMaskAhead, make)
+from maskahead_jax.policies import MaskAhead, PolicyError, QuestionAwareMaskAhead, make
 from tiny import tiny_model
 
 # selection every block (30% of the live set) and an eviction after every block
@@ -36,6 +35,20 @@ def _prompts(lens=(150, 90), seed=0):
 
 
 GC = GenerationConfig(max_new_tokens=64, prefill_chunk=64, stop_at_eos=False)
+
+
+def q_maskahead(**kw):
+    """q-maskahead (MaskAhead on the packed 4-bit cache) with these policy and storage knobs."""
+    return make("q-maskahead", **kw)
+
+
+def q_maskahead_qa(**kw):
+    return make("q-maskahead-qa", **kw)
+
+
+def simulated_twin(policy):
+    """The same policy on the float cache holding the packed cache's round-trip values."""
+    return dataclasses.replace(policy, storage=dataclasses.replace(policy.storage, simulate=True))
 
 
 # ----------------------------------------------------------------------------- cache ops
@@ -107,8 +120,8 @@ def test_generate_matches_float_cache_on_dequantized_kv(budget):
     eviction, is the subset of "small" before its first eviction.)"""
     m = _model()
     kw = {"small": SMALL, "question": dict(SMALL, question_tokens=48, pin_question=True)}[budget]
-    packed = generate(m, _prompts(), GC, policy=QMaskAhead(compact_dtype="float32", **kw))
-    sim = generate(m, _prompts(), GC, policy=QMaskAhead(compact_dtype="float32", simulate=True, **kw))
+    packed = generate(m, _prompts(), GC, policy=q_maskahead(compact_dtype="float32", **kw))
+    sim = generate(m, _prompts(), GC, policy=q_maskahead(compact_dtype="float32", simulate=True, **kw))
     assert packed.tokens == sim.tokens
     assert all(len(t) == 64 for t in packed.tokens)
     assert packed.stats["live_entries"] == sim.stats["live_entries"]
@@ -126,19 +139,19 @@ def test_question_aware_packed_run_matches_the_simulated_cache(alloc):
     With AdaKV's head budgets (ragged lanes, each a whole number of key groups) as well."""
     m = _model(num_kv_heads=2, num_heads=4)
     kw = dict(SMALL, question_tokens=48, **alloc)
-    qa = QuestionAwareQMaskAhead(compact_dtype="float32", **kw)
+    qa = q_maskahead_qa(compact_dtype="float32", **kw)
     ev = qa.eviction
     flt = QuestionAwareMaskAhead(**kw).eviction
     assert ev == dataclasses.replace(flt, budget=ev.budget, allocation=dataclasses.replace(flt.allocation, multiple=32))
     assert ev.allocation.multiple == 32 and make("q-maskahead-qa", 10).head_alloc == "adakv"
     assert ev.budget.multiple == 32 and make("q-maskahead-qa", 10).question_tokens == 128
     packed_run = generate(m, _prompts((320, 250)), GC, policy=qa)
-    sim = generate(m, _prompts((320, 250)), GC, policy=dataclasses.replace(qa, simulate=True))
+    sim = generate(m, _prompts((320, 250)), GC, policy=simulated_twin(qa))
     assert packed_run.tokens == sim.tokens
     assert packed_run.stats["live_entries"] == sim.stats["live_entries"]
     assert packed_run.stats["evictions"] >= 2
     if not alloc.get("head_alloc") == "adakv":  # the peak: once is enough
-        plain = generate(m, _prompts((320, 250)), GC, policy=QMaskAhead(compact_dtype="float32", **SMALL))
+        plain = generate(m, _prompts((320, 250)), GC, policy=q_maskahead(compact_dtype="float32", **SMALL))
         assert packed_run.stats["kv_bytes_peak"][0] < plain.stats["kv_bytes_peak"][0]
 
 
@@ -171,7 +184,7 @@ def test_memory_on_a_10k_prompt_is_at_least_20x():
     rng = np.random.RandomState(0)
     prompt = list(map(int, rng.randint(0, 40, size=10_000)))
     gc = GenerationConfig(max_new_tokens=32, prefill_chunk=512, stop_at_eos=False)
-    out = generate(m.astype(jnp.bfloat16), [prompt], gc, policy=QMaskAhead(dense_layers=0), bucket=512)
+    out = generate(m.astype(jnp.bfloat16), [prompt], gc, policy=q_maskahead(dense_layers=0), bucket=512)
     red = out.stats["reduction_final"][0]
     # C(9,984) = 998 -> 1,024 (whole groups), + two blocks = 1,088 live; 10,048 tokens seen
     assert out.stats["live_entries"] == [1088]
@@ -185,14 +198,14 @@ def test_memory_on_a_10k_prompt_is_at_least_20x():
 def test_invalid_settings_are_clear_errors():
     gc = GenerationConfig(max_new_tokens=8, stop_at_eos=False)
     with pytest.raises(PolicyError, match="head_dim"):
-        generate(tiny_model("sdar", block_size=32), [[1, 2]], gc, policy=QMaskAhead(**SMALL))
+        generate(tiny_model("sdar", block_size=32), [[1, 2]], gc, policy=q_maskahead(**SMALL))
     with pytest.raises(PolicyError, match="bits"):
-        generate(_model(), [[1, 2]], gc, policy=QMaskAhead(bits=3, **SMALL))
+        generate(_model(), [[1, 2]], gc, policy=q_maskahead(bits=3, **SMALL))
     with pytest.raises(PolicyError, match="block_size=16"):  # the open group forced off
         generate(_model(block_size=16), [[1, 2]], GenerationConfig(max_new_tokens=8, prefill_chunk=64),
-                 policy=QMaskAhead(residual=False, **SMALL))
+                 policy=q_maskahead(residual=False, **SMALL))
     with pytest.raises(PolicyError, match="block-causal"):
-        generate(tiny_model("llada", head_dim=32, block_size=32), [[1, 2]], gc, policy=QMaskAhead(**SMALL))
+        generate(tiny_model("llada", head_dim=32, block_size=32), [[1, 2]], gc, policy=q_maskahead(**SMALL))
     assert isinstance(make("q-maskahead"), MaskAhead)
 
 
@@ -274,19 +287,19 @@ def test_small_blocks_and_head_sizes_match_the_simulated_cache(bs, d, chunk):
     gc = GenerationConfig(max_new_tokens=32, prefill_chunk=chunk, stop_at_eos=False)
     gen = gc.resolve(m.config)
     kw = dict(SMALL, compact_dtype="float32")
-    assert QMaskAhead(**kw).for_run(m.config, gen).residual is True
-    assert QMaskAhead(**kw).for_run(m.config, GC.resolve(_model().config)).residual is False  # 32 / 64
-    out = generate(m, _prompts((70, 45)), gc, policy=QMaskAhead(**kw))
-    sim = generate(m, _prompts((70, 45)), gc, policy=QMaskAhead(simulate=True, **kw))
+    assert q_maskahead(**kw).for_run(m.config, gen).storage.residual is True
+    assert q_maskahead(**kw).for_run(m.config, GC.resolve(_model().config)).storage.residual is False  # 32 / 64
+    out = generate(m, _prompts((70, 45)), gc, policy=q_maskahead(**kw))
+    sim = generate(m, _prompts((70, 45)), gc, policy=q_maskahead(simulate=True, **kw))
     assert out.tokens == sim.tokens and all(len(t) == 32 for t in out.tokens)
     assert out.stats["live_entries"] == sim.stats["live_entries"]
     assert out.stats["evictions"] >= 1
     with pytest.raises(PolicyError, match=f"block_size={bs}"):
-        QMaskAhead(residual=False, **SMALL).validate(m.config, gen)
+        q_maskahead(residual=False, **SMALL).check_run(m.config, gen)
     # ragged per-lane budgets work on whole key groups: a clear error, with the way out
     with pytest.raises(PolicyError, match="head_alloc='uniform'"):
-        QuestionAwareQMaskAhead(**SMALL).validate(m.config, gen)
-    QuestionAwareQMaskAhead(**SMALL, head_alloc="uniform").validate(m.config, gen)
+        q_maskahead_qa(**SMALL).check_run(m.config, gen)
+    q_maskahead_qa(**SMALL, head_alloc="uniform").check_run(m.config, gen)
 
 
 # ----------------------------------------------------------------------------- lazy compaction
@@ -390,15 +403,15 @@ def test_lazy_compaction_end_to_end():
     is never below the requantize run's (it holds the padded physical layout); bad settings are
     clear errors. (Its layout against the released rule: the numpy test above.)"""
     m = _model()
-    runs = {c: generate(m, _prompts(), GC, policy=QMaskAhead(**SMALL, compaction=c)) for c in ("requantize", "lazy")}
+    runs = {c: generate(m, _prompts(), GC, policy=q_maskahead(**SMALL, compaction=c)) for c in ("requantize", "lazy")}
     assert runs["lazy"].stats["evictions"] >= 2
     for a, r in zip(runs["lazy"].stats["kv_bytes_final"], runs["requantize"].stats["kv_bytes_final"]):
         assert a >= r
     # with bounded prefill (q-maskahead-qa) the prefill buffer gets the lazy layout's room too:
     # without it the padded extent plus the next chunk ran past the buffer, and the append
     # (dynamic_update_slice clamps its start) overwrote kept entries
-    qa = QuestionAwareQMaskAhead(**SMALL, question_tokens=48, head_alloc="uniform", compaction="lazy")
-    plain = dataclasses.replace(qa, compaction="requantize")
+    qa = q_maskahead_qa(**SMALL, question_tokens=48, head_alloc="uniform", compaction="lazy")
+    plain = dataclasses.replace(qa, storage=dataclasses.replace(qa.storage, compaction="requantize"))
     c0, _ = qa.plan(320, 400, 32, 64)
     assert c0 >= plain.plan(320, 400, 32, 64)[0] + qa.eviction.prefill_capacity(320)
     lazy = generate(m, _prompts((200, 150)), GC, policy=qa)
@@ -409,4 +422,4 @@ def test_lazy_compaction_end_to_end():
                     (dict(compaction="lazy", residual=True), "residual=True"),
                     (dict(compaction="lazy", recent=64, capacity_floor=128, interval_blocks=1), "recent window")):
         with pytest.raises(PolicyError, match=msg):
-            QMaskAhead(**{**SMALL, **kw}).validate(cfg, gen)
+            q_maskahead(**{**SMALL, **kw}).check_run(cfg, gen)

@@ -14,7 +14,7 @@ from maskahead_jax.config import GenerationConfig
 from maskahead_jax.generate import generate
 from maskahead_jax.model import decoder
 from maskahead_jax.model.layers import rope_tables
-from maskahead_jax.policies import DapQ, ExpectedAttention, PolicyError, QMaskAhead, make
+from maskahead_jax.policies import DapQ, ExpectedAttention, MaskAhead, Packed, PolicyError, make
 from maskahead_jax.policies.expected_attention import StatsCache
 from maskahead_jax.policies.probes import dapq_tokens
 from released_reference import _ctx, _hand_cache, _kept, _row, np_softmax, released_survivors, rotate_half
@@ -177,7 +177,7 @@ def test_bitsieve_v1_is_k4v4_with_mass_only_selection():
     """configs/bitsieve_v1.yaml: k_bits = v_bits = 4, selector mode all without value_aware, no
     eviction (so no budget)."""
     pol = make("bitsieve_v1")
-    assert isinstance(pol, QMaskAhead) and pol.bits == 4 and pol.eviction is None
+    assert isinstance(pol, MaskAhead) and pol.storage == Packed(4) and pol.eviction is None
     assert pol.selector.ranking == "mass" and pol.selector.rows == "masked"
     with pytest.raises(PolicyError, match="no budget"):
         make("bitsieve-v1", 10)

@@ -52,6 +52,10 @@ class KVCache(NamedTuple):
         """[L, B, Hkv, N, D] the values as stored (what value-aware scores read)."""
         return self.v
 
+    def keys(self) -> jax.Array:
+        """[L, B, Hkv, N, D] the (post-RoPE) keys as stored (Expected Attention's scores)."""
+        return self.k
+
     def select_context(self, idx, keep, dtype=None) -> Context:
         """A compact Context of slots idx [L, B, Hkv, K] (keep marks the real ones), in `dtype`."""
         k, v = take_slots(self.k, idx), take_slots(self.v, idx)

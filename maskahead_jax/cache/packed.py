@@ -21,7 +21,7 @@ operations (writes, gathers, compaction, byte accounting) are cache/packed_layou
   the documented deviation from the released code's lazy compaction). Capacities are multiples
   of 32.
   `lazy_type(need)(*empty(...))`: a cache with the released lazy compaction instead
-  (packed_layout.lazy_compact; QMaskAhead(compaction="lazy")).
+  (packed_layout.lazy_compact; policies.storage.Packed(compaction="lazy")).
 * `context()` is a `Context(k=QuantKV slice, v=None, valid)`: the layers dequantize it inside the
   layer body (model/decoder.py), so the step-0 scored pass, the probe and dense layers read the
   packed cache.
@@ -258,6 +258,12 @@ class QKVCache(NamedTuple):
         """[L, B, Hkv, N, D] float32 dequantized values (for the eviction value score)."""
         q = self.q
         return quant.dequantize_values(q.v_codes, q.v_scale, q.v_zero, q.bits, jnp.float32)
+
+    def keys(self) -> jax.Array:
+        """[L, B, Hkv, N, D] float32 dequantized keys (Expected Attention's scores; an open group's
+        slots give the codes of the tokens present, as its values do)."""
+        q = self.q
+        return quant.dequantize_keys(q.k_codes, q.k_scale, q.k_zero, q.bits, jnp.float32)
 
     def select_context(self, idx, keep, dtype=jnp.bfloat16) -> Context:
         """The compact buffer of selected entries: gathered and dequantized to `dtype`."""

@@ -8,7 +8,7 @@ Deviation from the released code (its `compaction: lazy`), by default: on evicti
 requantize the keys of *every* survivor into fresh 32-token groups (dequantize -> gather ->
 quantize), while the released code copies fully surviving groups bit-exactly and pads every
 lane to the most scattered lane's group count. The released rule is `lazy_compact`
-(QMaskAhead(compaction="lazy", repack_below=1.0), tested against numpy): groups keeping
+(storage Packed(compaction="lazy", repack_below=1.0), tested against numpy): groups keeping
 >= repack_below of their entries copied bit-exactly, the other survivors' keys *and values*
 requantized from their dequantized values into fresh groups after the row's most kept groups.
 Why: full requantization keeps every (layer, batch, KV head) lane rectangular with a static
@@ -110,7 +110,7 @@ def lazy_layout(idx: jax.Array, live: jax.Array, num_old: int, capacity: int, ne
     new slot, which new slots hold survivors, which lie in the kept groups / the re-encoded
     region; old_group [L, B, Hkv, capacity / 32]: the old group of each kept new group; and
     n_kept [L, B, Hkv] kept groups, n_enc [L, B, Hkv] re-encoded survivors, g1 [B]. The caller
-    sizes `capacity` >= 32 * G1 + max n_enc (QMaskAhead.plan)."""
+    sizes `capacity` >= 32 * G1 + max n_enc (policies.storage.Packed.plan)."""
     L, B, H, K = idx.shape
     ng = num_old // GROUP
     ix = _lane_index(idx.shape)

@@ -59,5 +59,8 @@ class Cache(Protocol):
     def values(self) -> jax.Array:
         """[L, B, Hkv, N, D] values as the model reads them (dequantized for packed caches)."""
 
+    def keys(self) -> jax.Array:
+        """[L, B, Hkv, N, D] post-RoPE keys (dequantized for packed caches)."""
+
     def live(self) -> jax.Array:
         """[L, B, Hkv] kept entries per lane."""

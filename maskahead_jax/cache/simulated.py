@@ -2,7 +2,7 @@
 dequantize round trip (on append, and for the survivors' keys on eviction).
 
 It is the float reference the packed cache (cache/packed.py) is tested against: the same keep
-sets and the same attention inputs, with no bit packing. `QMaskAhead(simulate=True)` runs on it.
+sets and the same attention inputs, with no bit packing. A policy with `storage=Packed(simulate=True)` runs on it.
 """
 from __future__ import annotations
 
@@ -110,6 +110,9 @@ class SimQuantKVCache(NamedTuple):
 
     def values(self):
         return self.v.astype(jnp.float32)
+
+    def keys(self):
+        return self.k.astype(jnp.float32)
 
     def select_context(self, idx, keep, dtype=None) -> Context:
         take = lambda a: jnp.take_along_axis(a, idx[..., None], axis=3)

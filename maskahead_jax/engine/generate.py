@@ -176,7 +176,7 @@ def generate(model, prompts: Sequence[Sequence[int]], config: GenerationConfig =
     cfg: ModelConfig = model.config
     gen = _attention_for(config.resolve(cfg), mesh)
     policy = policy if policy is not None else Dense()
-    policy.validate(cfg, gen)
+    policy.check_run(cfg, gen)
     prompts = _validate_prompts(prompts, cfg, gen)
     note = policy.budget_note([len(p) for p in prompts])
     draft = None
@@ -240,7 +240,7 @@ def lower(model, prompts: Sequence[Sequence[int]], config: GenerationConfig = Ge
     cfg: ModelConfig = model.config
     gen = config.resolve(cfg)
     policy = policy if policy is not None else Dense()
-    policy.validate(cfg, gen)
+    policy.check_run(cfg, gen)
     prompts = _validate_prompts(prompts, cfg, gen)
     arr, plen = _prompt_arrays(prompts, cfg, gen, bucket)
     dtype = jnp.dtype(cache_dtype or model.params["embed"].dtype)

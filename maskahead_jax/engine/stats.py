@@ -46,7 +46,7 @@ def finish(res, prompts, cfg, gen, wall, policy) -> GenerateOutput:
         toks.append(row)
     kvb, dense = res["kv_bytes"], res["dense_bytes"]
     stats = dict(
-        policy=policy.name,
+        policy=policy.label,
         nfe=res["nfe"].tolist(), nfe_batch=int(res["nfe_batch"]),
         tokens_per_forward=n_gen / max(1, int(res["nfe_batch"])),
         kv_bytes_final=kvb.tolist(), kv_bytes_peak=res["kv_peak"].tolist(),

@@ -76,11 +76,14 @@ _DESCR = {int: "an integer", float: "a number", bool: "true or false", str: "a s
 def knob_types(name: str) -> dict:
     """{knob: allowed Python types} of a policy, from its dataclass field annotations (strings under
     `from __future__ import annotations`: 'int', 'Optional[float]', 'tuple', ...), else from the
-    field's default value. A knob whose type cannot be told is left out (not checked)."""
+    field's default value. A knob whose type cannot be told is left out (not checked). The
+    storage part's knobs (bits, compaction, ...) are typed from the packed storage's fields."""
+    from ..policies.storage import Packed
+
     e = entry(name)
     out = {}
-    for f in dataclasses.fields(e.cls):
-        if f.name in e.preset:
+    for f in (*dataclasses.fields(e.cls), *dataclasses.fields(Packed)):
+        if f.name in e.preset or f.name == "storage":
             continue
         ann = str(f.type)  # "int", "Optional[float]"; a real type: "<class 'int'>", "typing.Optional[int]"
         words = set(re.findall(r"[A-Za-z_]+", str(ann)))
@@ -167,10 +170,10 @@ def run_label(name: str, capacity: Optional[float]) -> str:
 
 
 def validate_policy(policy, cfg, gen, label: str = "") -> None:
-    """policy.validate(cfg, resolved gen) with the run's label in the message; every failure is a
+    """policy.check_run(cfg, resolved gen) with the run's label in the message; every failure is a
     PolicyError (a knob of a wrong type can fail as a TypeError inside validate)."""
     try:
-        policy.validate(cfg, gen)
+        policy.check_run(cfg, gen)
     except PolicyError as e:
         raise PolicyError(f"{label}: {e}" if label else str(e)) from None
     except (ValueError, TypeError, AttributeError) as e:

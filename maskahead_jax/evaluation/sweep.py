@@ -130,7 +130,7 @@ def run_sweep(model, examples: Sequence[EvalExample], policies: Sequence[str],
     before fingerprints existed are refused the same way. Capacity-free policies (dense) run once.
     `gen` is the base GenerationConfig (a preset); max_new_tokens comes from each example unless
     given. Before the first forward, the generation config is resolved against the model and
-    every (policy, capacity) is built and validated (`policy.validate(model.config, resolved)`):
+    every (policy, capacity) is built and validated (`policy.check_run(model.config, resolved)`):
     an unknown name, a bad knob or inconsistent settings raise PolicyError (ConfigError /
     ValueError for the generation config) and nothing is run or written. A run that fails while
     generating is reported in `errors` and the others go on (strict: RunFailed, from the error).

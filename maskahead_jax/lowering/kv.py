@@ -28,14 +28,14 @@ def _schedule_kind(policy) -> str:
     if isinstance(policy, MaskKV) and policy.voters == "mask" and not policy.block_causal:
         return "maskkv"
     if isinstance(policy, ComposedPolicy) and policy.draft_pass(None) is None \
-            and getattr(policy, "compaction", "requantize") == "requantize" \
-            and not getattr(policy, "residual", False):
+            and getattr(policy.storage, "compaction", "requantize") == "requantize" \
+            and not getattr(policy.storage, "residual", False):
         ev = policy.eviction
         if ev is None:
             return "dense"
         if ev.deferred and not ev.bounded_prefill and not ev.allocation.ragged:
             return "evict"
-    raise NotImplementedError(f"the memory plan does not model {policy.name}'s schedule "
+    raise NotImplementedError(f"the memory plan does not model {policy.label}'s schedule "
                               f"(dense, maskahead, q-maskahead and maskkv only)")
 
 
@@ -63,7 +63,7 @@ def kv_accounting(cfg, gen, policy, prompt_len: int, cache_dtype="bfloat16") -> 
         if kind == "dense":
             return dict(dense=p * lanes * bf16, peak=full, peak_prefill=full, peak_decode=full, end=full, entries=p)
         if kind != "maskkv":
-            raise NotImplementedError(f"the memory plan does not model {policy.name} on a bidirectional model")
+            raise NotImplementedError(f"the memory plan does not model {policy.label} on a bidirectional model")
         kept = min(policy.per_head_budget(p), p)
         end = kept * lanes * bpt
         peak = end + p * H * bpt if policy.prompt_layerwise else max(end, full)

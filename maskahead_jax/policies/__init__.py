@@ -10,7 +10,8 @@ from .protocol import BlockResult, Dense, Policy, PolicyError, StepContext
 from .registry import knobs, make, names, register, takes_budget
 from .composed import ComposedPolicy
 from .maskahead import BoundedPrefillMaskAhead, DapQ, MaskAhead, QuestionAwareMaskAhead
-from .qmaskahead import DraftedQMaskAhead, QMaskAhead, QuestionAwareQMaskAhead
+from .qmaskahead import PACKED4, DraftedMaskAhead
+from .storage import Float, Packed
 from .baselines import CAOTE, H2O, HERALD, BoundedPrefillStreamingLLM, SnapKV, StreamingLLM
 from .expected_attention import ExpectedAttention
 from .maskkv import AdaKV, MaskKV, PyramidKV
@@ -22,10 +23,11 @@ register("maskahead-noevict", MaskAhead, evict_ranking="none")
 register("mage", MaskAhead, select_ranking="mass", evict_ranking="none")
 register("maskahead-bounded", BoundedPrefillMaskAhead)
 register("maskahead-qa", QuestionAwareMaskAhead)
-register("q-maskahead", QMaskAhead)
-register("q-maskahead-qa", QuestionAwareQMaskAhead)
-register("q-maskahead-draft", DraftedQMaskAhead)
-register("bitsieve-v1", QMaskAhead, select_ranking="mass", evict_ranking="none")
+# the low-bit presets (policies/qmaskahead.py): any policy takes storage=Packed(bits) (bits=4)
+register("q-maskahead", MaskAhead, defaults=dict(storage=PACKED4))
+register("q-maskahead-qa", QuestionAwareMaskAhead, defaults=dict(storage=PACKED4, head_alloc="adakv"))
+register("q-maskahead-draft", DraftedMaskAhead, defaults=dict(storage=PACKED4, head_alloc="adakv"))
+register("bitsieve-v1", MaskAhead, defaults=dict(storage=PACKED4), select_ranking="mass", evict_ranking="none")
 register("streaming", StreamingLLM)
 register("streaming-bounded", BoundedPrefillStreamingLLM)
 register("h2o", H2O)
@@ -40,7 +42,7 @@ register("maskkv-blockcausal", MaskKV, budget_field="budget_pct", entries_field=
 register("pyramidkv", PyramidKV, budget_field="budget_pct", entries_field="budget_per_head")
 register("adakv", AdaKV, budget_field="budget_pct", entries_field="budget_per_head")
 
-__all__ = ["AdaKV", "BlockResult", "BoundedPrefillMaskAhead", "BoundedPrefillStreamingLLM", "CAOTE", "DraftedQMaskAhead",
+__all__ = ["AdaKV", "BlockResult", "BoundedPrefillMaskAhead", "BoundedPrefillStreamingLLM", "CAOTE", "DraftedMaskAhead", "Float", "Packed",
            "ComposedPolicy", "DapQ", "Dense", "ExpectedAttention", "H2O", "HERALD", "MaskAhead", "MaskKV", "Policy", "PolicyError",
-           "PyramidKV", "QMaskAhead", "QuestionAwareMaskAhead", "QuestionAwareQMaskAhead", "SnapKV", "StepContext", "StreamingLLM", "knobs", "make", "names",
+           "PyramidKV", "QuestionAwareMaskAhead", "SnapKV", "StepContext", "StreamingLLM", "knobs", "make", "names",
            "register", "takes_budget"]

@@ -38,6 +38,12 @@ class ComposedPolicy(Policy):
     def eviction(self) -> Optional[Eviction]:
         return None
 
+    def check_run(self, cfg, gen) -> None:
+        """The policy's and its storage's checks, then its parts': building the eviction part
+        refuses an inconsistent one (a step-0 scorer under the end_of_block timing, ...)."""
+        super().check_run(cfg, gen)
+        _ = self.eviction
+
     @property
     def first_block_special(self) -> bool:
         ev = self.eviction  # only the eviction's first-block probe / pin reads ctx.first
@@ -46,9 +52,13 @@ class ComposedPolicy(Policy):
     # ---------------------------------------------------------------- hooks
     def plan(self, prompt_cap: int, total_cap: int, block_size: int, chunk: int = 512):
         ev = self.eviction
-        if ev is None:
-            return total_cap, total_cap
-        return ev.plan(prompt_cap, total_cap, block_size, chunk)
+        caps = (total_cap, total_cap) if ev is None else ev.plan(prompt_cap, total_cap, block_size, chunk)
+        return self.storage.plan(self, caps, prompt_cap, total_cap)
+
+    def _selector(self) -> Optional[Selector]:
+        """The selector, gathering into the storage's compact dtype (bf16 from a packed cache)."""
+        sel, dtype = self.selector, self.storage.compact_dtype
+        return sel if sel is None or dtype is None else dataclasses.replace(sel, compact_dtype=dtype)
 
     def stat_rows(self, masked, active):
         sel, ev = self.selector, self.eviction
@@ -85,7 +95,7 @@ class ComposedPolicy(Policy):
     def budget_note(self, prompt_lens) -> Optional[str]:
         ev = self.eviction
         note = ev.budget.note(min(prompt_lens)) if ev is not None and prompt_lens else None
-        return f"{self.name}: {note}" if note else None
+        return f"{self.label}: {note}" if note else None
 
     def held_bytes(self, cache):
         """Ragged per-lane budgets (Allocation) count their kept entries (a flattened layout,
@@ -95,7 +105,7 @@ class ComposedPolicy(Policy):
         return memory.row_bytes(cache.valid, cache.bytes_per_token, self.keeps_state, kept_only=ragged)
 
     def on_block(self, cache, ctx: StepContext) -> BlockResult:
-        sel, ev = self.selector, self.eviction
+        sel, ev = self._selector(), self.eviction
         if ev is not None:
             cache = ev.scorer.observe(cache, ctx)
         selection = sel.select(cache, ctx.mass, ctx.score) if sel is not None else None

@@ -92,7 +92,9 @@ class Budget:
 
 
 def budget_of(policy, multiple: int = 1) -> Budget:
-    """The Budget of a policy with the usual knobs (capacity_pct, capacity_floor, capacity_entries)."""
+    """The Budget of a policy with the usual knobs (capacity_pct, capacity_floor, capacity_entries),
+    rounded up to whole units of its storage (key groups of 32 on the packed cache)."""
+    multiple = max(multiple, policy.storage.multiple)
     return Budget(policy.capacity_pct, policy.capacity_floor, multiple, policy.capacity_entries)
 
 
@@ -228,6 +230,12 @@ class Eviction:
             raise PolicyError(f"prefill_slack must be >= 1 (a multiple of C(seen)), got {self.prefill_slack}")
         if self.prefill_budget not in ("seen", "prompt"):
             raise PolicyError(f"prefill_budget must be seen|prompt, got {self.prefill_budget!r}")
+        if self.timing == "end_of_block" and getattr(self.scorer, "ranks_by_step0", False):
+            raise PolicyError(
+                f"{type(self.scorer).__name__} ranks by the step-0 mass, which the end_of_block timing "
+                f"does not have (it evicts after the commit forward and at the prompt's final chunk, "
+                f"where no block's step 0 ran): use the deferred timing, or a scorer that reads no "
+                f"step-0 mass (PositionScore, Accumulated, ProbeMass with a probe)")
 
     def prefill_capacity(self, seen):
         """What bounded prefill keeps: prefill_slack x C(seen) (C(seen) itself at slack 1)."""

@@ -29,7 +29,6 @@ import jax
 import jax.numpy as jnp
 
 from .. import memory
-from ..cache import empty as float_empty
 from .baselines import ScheduledEviction
 from .maskahead import check_positive
 from .protocol import PolicyError
@@ -83,7 +82,7 @@ class StatsCache(NamedTuple):
         return self.inner.values()
 
     def keys(self):
-        return self.inner.k
+        return self.inner.keys()
 
     def live(self):
         return self.inner.live()
@@ -185,7 +184,7 @@ class ExpectedAttention(ScheduledEviction):
             raise PolicyError(f"ea needs 0 <= ea_decay < 1 and eps >= 0, got {self.ea_decay}, {self.eps}")
 
     def empty_cache(self, num_layers, batch, kv_heads, capacity, head_dim, dtype=jnp.bfloat16, group_size=1):
-        inner = float_empty(num_layers, batch, kv_heads, capacity, head_dim, dtype)
+        inner = self.storage.empty(num_layers, batch, kv_heads, capacity, head_dim, dtype)
         g, d = group_size, head_dim
         lead = (num_layers, batch, kv_heads, g)
         z = lambda *s: jnp.zeros(s, jnp.float32)

@@ -142,7 +142,7 @@ class MaskAhead(ComposedPolicy):
         if self.question_tokens and (ev is None or ev.probe is None):
             raise PolicyError(
                 f"question_tokens={self.question_tokens} needs MaskAhead's lookahead probe "
-                f"(evict_ranking != 'none', lookahead_blocks > 1); {self.name} has none")
+                f"(evict_ranking != 'none', lookahead_blocks > 1); {self.label} has none")
         if self.pin_question and not self.question_tokens:
             raise PolicyError("pin_question needs question_tokens > 0 (the span to pin)")
 
@@ -288,7 +288,7 @@ class QuestionAwareMaskAhead(MaskAhead):
         if self.question_tokens <= 0:
             raise PolicyError(f"question_tokens must be positive, got {self.question_tokens}")
         if self.lookahead_blocks < 2:
-            raise PolicyError(f"{self.name} needs the lookahead probe: lookahead_blocks >= 2, "
+            raise PolicyError(f"{self.label} needs the lookahead probe: lookahead_blocks >= 2, "
                               f"got {self.lookahead_blocks}")
         if self.question_weight < 0:
             raise PolicyError(f"question_weight must be >= 0, got {self.question_weight}")

@@ -135,6 +135,10 @@ class MaskKV(Policy):
             raise PolicyError(f"{self.name} compresses the prompt of bidirectional families "
                               f"(LLaDA, Dream); {cfg.family!r} is {cfg.attention} (maskkv-blockcausal, "
                               f"i.e. block_causal=True, votes with the first block's mask queries)")
+        if self.storage.prefix:
+            raise PolicyError(f"{self.name} keeps ragged per-head budgets (any number of entries per "
+                              f"lane), which the packed cache cannot hold (whole key groups of 32 per "
+                              f"lane): run it on the float cache (no bits)")
         self.check(cfg.num_layers)
 
     def check(self, num_layers: int) -> None:

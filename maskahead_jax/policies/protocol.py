@@ -4,11 +4,13 @@ the one `PolicyError`.
 A policy is a frozen, hashable dataclass (a static jit argument). The engine
 (maskahead_jax/engine) knows none of its fields; it calls these hooks and nothing else:
 
-  validate(cfg, gen)                     refuse settings that cannot run (PolicyError)
+  check_run(cfg, gen)                    refuse settings that cannot run (PolicyError): the
+                                         policy's own `validate`, then its storage part's checks
   for_run(cfg, gen) -> Policy            this policy with its automatic knobs decided for the run
-                                         (the core runs the returned one; default: itself)
+                                         (the core runs the returned one; default: its storage's)
   plan(prompt_cap, total_cap, block, chunk) -> (prefill capacity, decode capacity), static
-  empty_cache(L, B, Hkv, N, D, dtype, group_size=1)  the cache this policy stores into
+  empty_cache(L, B, Hkv, N, D, dtype, group_size=1)  the cache this policy stores into (its
+                                         `storage` part's: policies/storage.py, Float or Packed)
   stat_rows(masked, active)              [B, T] step-0 queries pooled into the statistics, or
                                          None: step 0 computes no statistics
   prefill_stat_rows(valid)               [B, T] prefill-chunk queries pooled into statistics over
@@ -52,11 +54,11 @@ import jax
 import jax.numpy as jnp
 
 from .. import memory
-from ..cache import Cache, KVCache, empty as float_empty
+from ..cache import Cache, KVCache
+from .errors import PolicyError
+from .storage import Float, Storage
 
 
-class PolicyError(ValueError):
-    """An invalid policy setting: unknown name, bad budget or knob, a model it cannot run on."""
 
 
 # (cache, tokens [B, T], positions [B, T], mask [B, T, T] bool, rows [B, T] bool)
@@ -108,6 +110,20 @@ class Policy:
     name: ClassVar[str] = "dense"
     takes_budget: ClassVar[bool] = False  # make(name, capacity_pct) applies; sweeps fan it out
     keeps_state: ClassVar[bool] = False  # memory: 10 B of eviction state per kept entry
+    # where the KV entries live (policies/storage.py): Float(), or Packed(bits) for low bits;
+    # keyword-only, so subclasses' own fields keep their positions
+    storage: Storage = dataclasses.field(default=Float(), kw_only=True)
+
+    @property
+    def label(self) -> str:
+        """The name results report: `name`, with a `q-` prefix on the packed cache."""
+        return self.storage.prefix + self.name
+
+    def check_run(self, cfg, gen) -> None:
+        """Everything that must hold before a run: `validate` (this policy's knobs against the
+        model and generation config), then the storage part's checks against this policy."""
+        self.validate(cfg, gen)
+        self.storage.check(self, cfg, gen)
 
     @property
     def first_block_special(self) -> bool:
@@ -121,8 +137,9 @@ class Policy:
 
     def for_run(self, cfg, gen) -> "Policy":
         """The policy the core runs for this model and generation config: itself, or a copy
-        with its automatic knobs fixed (Q-MaskAhead's open group for blocks of any size)."""
-        return self
+        with its automatic knobs fixed (the packed storage's open group for blocks of any size)."""
+        storage = self.storage.for_run(gen)
+        return self if storage == self.storage else dataclasses.replace(self, storage=storage)
 
     def plan(self, prompt_cap: int, total_cap: int, block_size: int, chunk: int = 512):
         """(capacity while prefilling, capacity while decoding); total_cap holds everything."""
@@ -130,7 +147,7 @@ class Policy:
 
     def empty_cache(self, num_layers, batch, kv_heads, capacity, head_dim, dtype=jnp.bfloat16,
                     group_size: int = 1) -> Cache:
-        return float_empty(num_layers, batch, kv_heads, capacity, head_dim, dtype)
+        return self.storage.empty(num_layers, batch, kv_heads, capacity, head_dim, dtype)
 
     def stat_rows(self, masked, active):
         return None
@@ -186,3 +203,6 @@ class Dense(Policy):
         return False
 
     name = "dense"
+
+
+__all__ = ["BlockResult", "Dense", "Forward", "Policy", "PolicyError", "StepContext"]

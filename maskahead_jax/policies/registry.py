@@ -4,6 +4,7 @@ name with a budget where the policy has one and refuses one where it means nothi
     make("maskahead", 10)                      MaskAhead(capacity_pct=10.0)
     make("maskkv", 5)                          MaskKV(budget_pct=5.0)
     make("mage", 10)                           PolicyError: mage never evicts, it takes no budget
+    make("snapkv", 10, bits=4)                 SnapKV on the packed 4-bit cache (storage=Packed(4))
     register("keynorm", KeyNorm)               a user's policy, usable by name everywhere
 
 Policies of other packages are found without code changes here: a module named in the
@@ -18,12 +19,14 @@ import os
 from importlib.metadata import entry_points
 from typing import NamedTuple, Optional
 
-from .protocol import PolicyError
+from . import storage as storage_part
+from .errors import PolicyError
 
 
 class Entry(NamedTuple):
     cls: type
     preset: dict  # knobs fixed by the name (e.g. mage: select_ranking="mass")
+    defaults: dict  # knobs the name sets and a caller may change (q-maskahead: storage=Packed(4))
     budget_field: Optional[str]  # the field a budget percentage sets; None: no budget
     entries_field: Optional[str]  # the field an absolute budget (KV entries per lane) sets
 
@@ -53,18 +56,21 @@ def _key(name: str) -> str:
 
 
 def register(name: str, cls: type, budget_field: Optional[str] = "capacity_pct",
-             entries_field: Optional[str] = "capacity_entries", **preset) -> None:
-    """Add a policy class under `name`; `preset` knobs are fixed by the name. budget_field=None
+             entries_field: Optional[str] = "capacity_entries", defaults: Optional[dict] = None,
+             **preset) -> None:
+    """Add a policy class under `name`; `preset` knobs are fixed by the name, `defaults` are set
+    by it and may be changed by the caller (a storage part goes there). budget_field=None
     (or a class whose default instance has takes_budget False) marks a policy without a budget;
     entries_field names the knob of an absolute budget (None, or a field the class lacks: none)."""
     if not dataclasses.is_dataclass(cls):
         raise PolicyError(f"policy {name!r}: {cls!r} is not a dataclass (policies are frozen dataclasses)")
-    if budget_field is not None and not cls(**preset).takes_budget:
+    defaults = dict(defaults or {})
+    if budget_field is not None and not cls(**preset, **defaults).takes_budget:
         budget_field = None
     fields = {f.name for f in dataclasses.fields(cls)}
     if budget_field is None or entries_field not in fields:
         entries_field = None
-    _REGISTRY[_key(name)] = Entry(cls, dict(preset), budget_field, entries_field)
+    _REGISTRY[_key(name)] = Entry(cls, dict(preset), defaults, budget_field, entries_field)
 
 
 def names() -> list[str]:
@@ -87,9 +93,11 @@ def takes_budget(name: str) -> bool:
 
 
 def knobs(name: str) -> list[str]:
-    """The knobs a policy accepts (its dataclass fields, less those its name fixes)."""
+    """The knobs a policy accepts: its dataclass fields, less those its name fixes, with the
+    storage part's knobs (bits, compaction, ...) in place of the `storage` field."""
     e = entry(name)
-    return [f.name for f in dataclasses.fields(e.cls) if f.name not in e.preset]
+    own = [f.name for f in dataclasses.fields(e.cls) if f.name not in e.preset and f.name != "storage"]
+    return own + list(storage_part.KNOBS)
 
 
 def make(name: str, capacity_pct: float | None = None, *, compression_ratio: float | None = None,
@@ -122,8 +130,12 @@ def make(name: str, capacity_pct: float | None = None, *, compression_ratio: flo
         if not 0 < float(capacity_pct) <= 100:
             raise PolicyError(f"{e.budget_field} must be a percentage in (0, 100], got {capacity_pct}")
         kw[e.budget_field] = float(capacity_pct)
-    bad = sorted(set(kw) - set(knobs(key)))
+    bad = sorted(set(kw) - set(knobs(key)) - {"storage"})
     if bad:
         raise PolicyError(f"policy {key!r} has no knob {', '.join(bad)}; its knobs: {', '.join(knobs(key))}")
     kw = {k: tuple(v) if isinstance(v, list) else v for k, v in kw.items()}  # hashable
-    return e.cls(**e.preset, **kw)
+    kw = {**e.defaults, **kw}
+    # the storage part: the name's default (q-maskahead: Packed(4)) refined by the storage knobs
+    base = kw.pop("storage", storage_part.Float())
+    store = storage_part.from_knobs(base, {k: kw.pop(k) for k in storage_part.KNOBS if k in kw})
+    return e.cls(**e.preset, **kw, storage=store)

@@ -42,6 +42,8 @@ class Scorer:
     reads_mass: ClassVar[bool] = True
     observes_prefill: ClassVar[bool] = False  # observe() every prefill chunk's mass too
     reads_queries: ClassVar[bool] = False  # observe() reads ctx.queries (pre-RoPE query moments)
+    # scores() ranks by the step-0 mass it is handed (mass0): only the deferred timing has one
+    ranks_by_step0: ClassVar[bool] = False
 
     def observe(self, cache, ctx):
         return cache
@@ -52,12 +54,16 @@ class Scorer:
 
 @dataclasses.dataclass(frozen=True)
 class ValueScore(Scorer):
+    ranks_by_step0 = True
+
     def scores(self, cache, mass0, probe):
         return value_score(_total(mass0, probe), cache.values())
 
 
 @dataclasses.dataclass(frozen=True)
 class MassScore(Scorer):
+    ranks_by_step0 = True
+
     def scores(self, cache, mass0, probe):
         return _total(mass0, probe)
 
@@ -140,6 +146,10 @@ class Pooled(Scorer):
     @property
     def reads_mass(self) -> bool:  # the engine reads the class attribute through instances
         return self.inner.reads_mass
+
+    @property
+    def ranks_by_step0(self) -> bool:
+        return self.inner.ranks_by_step0
 
     def scores(self, cache, mass0, probe):
         a = jnp.where(cache.valid, self.inner.scores(cache, mass0, probe).astype(jnp.float32), -jnp.inf)
