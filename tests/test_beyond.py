@@ -88,7 +88,7 @@ def test_question_masks_probe_forwards_the_question_with_its_mask_blocks():
     la = np.asarray(Lookahead(3).mass(None, ctx))
     q = np.asarray(Question(5, 3).mass(None, ctx)) / 3
     np.testing.assert_allclose(got, la + 2.5 * q, rtol=1e-6)
-    assert QuestionAwareMaskAhead(**SMALL, question_masks=True).eviction.probe.with_masks
+    assert QuestionAwareMaskAhead(**SMALL, question_masks=True).eviction.schedule.probe.with_masks
 
 
 def test_hidden_question_probe_reads_no_cached_copy_of_the_question():
@@ -126,11 +126,11 @@ def test_hidden_question_probe_reads_no_cached_copy_of_the_question():
     assert np.array_equal(seen[2], want)  # QuestionLookahead's question forward
     assert np.array_equal(seen[3], np.asarray(cache.valid))  # default: the cache as it is
     ev = QuestionAwareMaskAhead(**SMALL, hide_question="all").eviction
-    assert ev.probe.hide_cached and ev.prefill_probe.hide_cached
+    assert ev.schedule.probe.hide_cached and ev.prefill.probe.hide_cached
     ev = QuestionAwareMaskAhead(**SMALL, hide_question="blocks").eviction
-    assert ev.probe.hide_cached and not ev.prefill_probe.hide_cached
+    assert ev.schedule.probe.hide_cached and not ev.prefill.probe.hide_cached
     ev = QuestionAwareMaskAhead(**SMALL).eviction
-    assert not ev.probe.hide_cached and not ev.prefill_probe.hide_cached
+    assert not ev.schedule.probe.hide_cached and not ev.prefill.probe.hide_cached
 
 
 def test_question_pool_max_reaches_the_question_forwards_only():
@@ -150,11 +150,11 @@ def test_question_pool_max_reaches_the_question_forwards_only():
                       active=jnp.asarray([True, True]), tokens=jnp.full((2, 4), 3, jnp.int32),
                       start=jnp.asarray([24, 16], jnp.int32))
     ev = QuestionAwareMaskAhead(**SMALL, question_pool="max").eviction
-    assert ev.prefill_probe.pool == "max" and ev.probe.pool == "max"
-    ev.prefill_probe.mass(None, ctx)
-    ev.probe.mass(None, ctx)
-    dataclasses.replace(ev.probe, with_masks=True).mass(None, ctx)
-    QuestionAwareMaskAhead(**SMALL).eviction.probe.mass(None, ctx)
+    assert ev.prefill.probe.pool == "max" and ev.schedule.probe.pool == "max"
+    ev.prefill.probe.mass(None, ctx)
+    ev.schedule.probe.mass(None, ctx)
+    dataclasses.replace(ev.schedule.probe, with_masks=True).mass(None, ctx)
+    QuestionAwareMaskAhead(**SMALL).eviction.schedule.probe.mass(None, ctx)
     assert pools == ["max", "mean", "max", "mean", "max", "mean", "mean"]
     assert attention._POOL.get() == "mean"
 
@@ -218,7 +218,7 @@ def test_draft_pass_feeds_the_first_pass_answer_to_bounded_prefill():
     pol = Spy(**SMALL, question_tokens=12, draft_tokens=16)
     n, first = pol.draft_pass()
     assert n == 16 and first == dataclasses.replace(pol, draft_tokens=0) and first.draft_pass() is None
-    assert pol.eviction.prefill_probe.draft and not first.eviction.prefill_probe.draft
+    assert pol.eviction.prefill.probe.draft and not first.eviction.prefill.probe.draft
     out = generate(m, prompts, gc, policy=pol)
     want = generate(m, prompts, gc, policy=first)  # the first pass: capped at max_new_tokens = 8
     assert seen, "the second pass's prefill hooks saw no draft"
@@ -277,12 +277,12 @@ def test_q_maskahead_draft_is_q_maskahead_qa_with_a_96_token_draft_and_mean_max_
     assert pol.name == "q-maskahead-draft" and pol.head_alloc == "adakv" and pol.bits == 4
     n, first = pol.draft_pass()
     assert n == 96 and first.draft_tokens == 0 and first.draft_pass() is None
-    assert pol.eviction.prefill_probe.draft and not first.eviction.prefill_probe.draft
-    assert pol.eviction.prefill_probe.pool == pol.eviction.probe.pool == "mean+max"
+    assert pol.eviction.prefill.probe.draft and not first.eviction.prefill.probe.draft
+    assert pol.eviction.prefill.probe.pool == pol.eviction.schedule.probe.pool == "mean+max"
     qa = make("q-maskahead-qa", 20, draft_tokens=96, question_pool="mean+max")
     assert pol.eviction == qa.eviction and pol.selector == qa.selector
-    assert pol.eviction.prefill_probe.draft_probe == "tokens"
-    assert make("q-maskahead-draft", 20, draft_probe="interleaved").eviction.prefill_probe.draft_probe == "interleaved"
+    assert pol.eviction.prefill.probe.draft_probe == "tokens"
+    assert make("q-maskahead-draft", 20, draft_probe="interleaved").eviction.prefill.probe.draft_probe == "interleaved"
 
 
 def test_step0_weight_scales_the_block_evictions_step0_mass():
@@ -290,6 +290,7 @@ def test_step0_weight_scales_the_block_evictions_step0_mass():
     (w = 1) keeps with mass w x M; w = 0 ranks by the probe alone. `step0_weight` reaches it."""
     from maskahead_jax.cache.float_cache import empty
     from maskahead_jax.policies.eviction import Budget, ForcedKeeps
+    from maskahead_jax.policies.schedules import Deferred
     from maskahead_jax.policies.scorers import ValueScore
 
     L, B, H, N, D = 2, 2, 2, 40, 8
@@ -310,7 +311,7 @@ def test_step0_weight_scales_the_block_evictions_step0_mass():
 
     def kept(w, m):
         ev = Eviction(Budget(pct=25.0, floor=4), ValueScore(), ForcedKeeps(sinks=0, recent=0),
-                      probe=FixedProbe(), interval_blocks=1, step0_weight=w)
+                      Deferred(1, FixedProbe(), step0_weight=w))
         ctx = StepContext(forward=None, prompt=None, plen=None, n_pre=None, block_size=4, mask_id=0,
                           capacity=N, active=jnp.ones((B,), bool), due=jnp.ones((B,), bool), mass=m)
         out, done, _ = ev.at_block(cache, ctx)
@@ -320,24 +321,24 @@ def test_step0_weight_scales_the_block_evictions_step0_mass():
     assert np.array_equal(kept(0.0, mass), kept(1.0, jnp.zeros_like(mass)))
     assert np.array_equal(kept(3.0, mass), kept(1.0, 3.0 * mass))
     assert not np.array_equal(kept(0.0, mass), kept(1.0, mass))
-    assert QuestionAwareMaskAhead(**SMALL, step0_weight=0.0).eviction.step0_weight == 0.0
+    assert QuestionAwareMaskAhead(**SMALL, step0_weight=0.0).eviction.schedule.step0_weight == 0.0
     first = QuestionAwareMaskAhead(**SMALL, first_block_probe="question")
-    assert first.eviction.first_probe == first.eviction.prefill_probe == Question(128, 3)
+    assert first.eviction.schedule.first_probe == first.eviction.prefill.probe == Question(128, 3)
     assert first.first_block_special and not QuestionAwareMaskAhead(**SMALL).first_block_special
 
 
 def test_policy_parts_and_knobs():
     ev = QuestionAwareMaskAhead(**SMALL).eviction
-    assert ev.probe == QuestionLookahead(128, 3, 3.0) and not ev.pin_probe and ev.first_probe is None
-    assert ev.bounded_prefill and ev.prefill_probe == Question(128, 3) and not ev.pin_prefill
+    assert ev.schedule.probe == QuestionLookahead(128, 3, 3.0) and not ev.schedule.pin_probe and ev.schedule.first_probe is None
+    assert ev.bounded_prefill and ev.prefill.probe == Question(128, 3) and not ev.prefill.pin
     pinned = QuestionAwareMaskAhead(**SMALL, pin_question=True).eviction
-    assert pinned.pin_probe and pinned.pin_prefill
+    assert pinned.schedule.pin_probe and pinned.prefill.pin
     assert not QuestionAwareMaskAhead(**SMALL).first_block_special
     # question_every=False, bounded_prefill=False is the released schedule + first-eviction question
     first = QuestionAwareMaskAhead(**SMALL, question_tokens=16, question_every=False, bounded_prefill=False,
                                    pin_question=True)
     assert first.eviction == MaskAhead(**SMALL, question_tokens=16, pin_question=True).eviction
-    assert make("maskahead-qa", 10, question_weight=1.5).eviction.probe.weight == 1.5
+    assert make("maskahead-qa", 10, question_weight=1.5).eviction.schedule.probe.weight == 1.5
 
 
 def test_pooled_eviction_scores_are_a_max_over_valid_neighbours():

@@ -91,7 +91,8 @@ def test_tova_example_probes_the_newest_stored_token(tmp_path, monkeypatch):
     class SpyTova(tova.Tova):
         @property
         def eviction(self):
-            return dataclasses.replace(super().eviction, probe=Spy())
+            ev = super().eviction
+            return dataclasses.replace(ev, schedule=dataclasses.replace(ev.schedule, probe=Spy()))
 
     m = tiny_model("sdar", num_layers=2)
     rng = np.random.RandomState(0)

@@ -65,8 +65,8 @@ class Spy(MaskAhead):
     @property
     def eviction(self):
         ev = super().eviction
-        probe = ReplayProbe(self.replay_from, self.tag) if self.replay_from else RecordingProbe(ev.probe, self.tag)
-        return dataclasses.replace(ev, probe=probe)
+        probe = ReplayProbe(self.replay_from, self.tag) if self.replay_from else RecordingProbe(ev.schedule.probe, self.tag)
+        return dataclasses.replace(ev, schedule=dataclasses.replace(ev.schedule, probe=probe))
 
     def on_block(self, cache, ctx):
         res = super().on_block(cache, ctx)

@@ -3,7 +3,7 @@
 a_i * ||v_i - c||, top-k per (layer, batch, KV head)) with an eviction part of its own; they
 share the budget C = max(floor(capacity_pct% * seen), capacity_floor) and the compaction, and
 evict when the released session does (runtime/session.py `end_prefill_chunk`, `end_block`; the
-"end_of_block" timing of policies/eviction.py): the prompt is compressed at its final prefill
+EndOfBlock schedule of policies/schedules.py): the prompt is compressed at its final prefill
 chunk, to C(tokens seen before that chunk), before the chunk is admitted (the chunk survives
 whole), and every `interval_blocks` blocks right after the commit forward's append. Only
 MaskAhead (and DapQ, a lookahead variant) defer to the next block's step 0. The rankings:
@@ -38,6 +38,7 @@ from .eviction import Eviction, ForcedKeeps, budget_of, check_budget
 from .maskahead import check_pct, check_positive
 from .probes import PromptWindow
 from .protocol import PolicyError
+from .schedules import BoundedPrefill, EndOfBlock
 from .scorers import CAOTE as CAOTEScore, Accumulated, Pooled, PositionScore, ProbeMass, caote_scores, max_pool_1d
 from .selection import Selector
 
@@ -79,7 +80,7 @@ class ScheduledEviction(SelectKnobs, ComposedPolicy):
     @property
     def eviction(self) -> Eviction:
         return Eviction(budget_of(self), self.scorer(), ForcedKeeps(self.sinks, self.recent),
-                        interval_blocks=self.interval_blocks, timing="end_of_block")
+                        EndOfBlock(self.interval_blocks))
 
     def validate(self, cfg, gen) -> None:
         self.check_selector()
@@ -110,7 +111,7 @@ class BoundedPrefillStreamingLLM(StreamingLLM):
 
     @property
     def eviction(self) -> Eviction:
-        return dataclasses.replace(super().eviction, bounded_prefill=True)
+        return dataclasses.replace(super().eviction, prefill=BoundedPrefill())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,7 +157,7 @@ class SnapKV(SelectKnobs, ComposedPolicy):
     @property
     def eviction(self) -> Eviction:
         return Eviction(budget_of(self), Pooled(ProbeMass(), self.pool), ForcedKeeps(self.sinks, self.window),
-                        probe=PromptWindow(self.window), timing="end_of_block", admit_final_first=True)
+                        EndOfBlock(probe=PromptWindow(self.window), admit_final_first=True))
 
     def on_prompt(self, cache, vote, plen):
         """Bidirectional families (LLaDA, Dream; the MaskKV paper's SnapKV baseline): at the

@@ -47,7 +47,7 @@ class ComposedPolicy(Policy):
     @property
     def first_block_special(self) -> bool:
         ev = self.eviction  # only the eviction's first-block probe / pin reads ctx.first
-        return ev is not None and (ev.first_probe is not None or ev.pin_first)
+        return ev is not None and ev.schedule.first_block_special
 
     # ---------------------------------------------------------------- hooks
     def plan(self, prompt_cap: int, total_cap: int, block_size: int, chunk: int = 512):

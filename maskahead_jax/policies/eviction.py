@@ -7,23 +7,8 @@ ranks by, and which probe informs the ranking (research/maskahead.md §3, §6).
   Allocation    how a row's budget is spread over layers and KV heads: C(seen) in every lane
                 (the released rule), or MaskKV's layer budgets from an offline importance
                 profile and / or AdaKV's head budgets from the eviction scores (ours, issue 40)
-  Eviction      budget + scorer + keeps + probes + schedule, at one of two timings:
-                  "deferred" (MaskAhead, the released `lookahead` policy): after the prompt
-                  (due at step 0 of the first block) and, with interval_blocks > 0, at step 0
-                  of the block after every interval_blocks blocks, with that block's real
-                  step-0 queries and its probe;
-                  "end_of_block" (the released StreamingLLM, H2O, CAOTE, EA, SnapKV:
-                  session.end_prefill_chunk / end_block): the prompt is compressed at its
-                  final prefill chunk, to C(tokens seen before that chunk) and before the
-                  chunk is admitted (the chunk itself always survives; `admit_final_first`:
-                  after it is admitted, to C(whole prompt), SnapKV), and every interval_blocks
-                  blocks right after the commit forward's append (`after_commit`);
-                  probe: the block probe (Lookahead, DapQ, PromptWindow or None);
-                  first_probe: replaces it at the first block (the question probe), and
-                  pin_first pins the question span there; pin_probe pins `probe`'s span
-                  (its .span) at every block eviction;
-                  bounded_prefill: also evict after every stored prefill chunk, ranked with
-                  prefill_probe (or without a probe), pinning its span when pin_prefill.
+  Eviction      budget + scorer + keeps + allocation, evicting when its schedule says
+                (policies/schedules.py: Deferred | EndOfBlock, and optional BoundedPrefill).
                 A scorer with state observes every block's step-0 statistics and, when it
                 asks (observes_prefill / reads_queries), every prefill chunk but the first
                 (the released code prefills the first chunk through the model's own forward).
@@ -39,24 +24,15 @@ import jax.numpy as jnp
 
 from .budgets import _spread, adakv_head_budgets, layer_budgets
 from .protocol import PolicyError, StepContext
-
-
-TIMINGS = ("deferred", "end_of_block")
-
-
-def _guarded(x):
-    """x nudged up by a relative 1e-6 before a floor: float32 under jit (and XLA's x / 100 ->
-    x * 0.01) lands a few ulps below an exact integer (30% of 70 -> 20.999998 -> 20), where the
-    released code's Python arithmetic gives 21. Eager and jitted budgets agree with it."""
-    return x * (1.0 + 1e-6) + 1e-6
+from .schedules import BoundedPrefill, Deferred, guarded
 
 
 def floor_percent(pct: float, n):
-    """floor(pct% of n), guarded (`_guarded`): a Python int for an int n, int32 for an array.
+    """floor(pct% of n), guarded (`schedules.guarded`): a Python int for an int n, int32 for an array.
     Every percentage budget (Budget.capacity, MaskKV's per-head budget) is computed here."""
     if isinstance(n, int):
-        return math.floor(_guarded(pct * n / 100))
-    return jnp.floor(_guarded(pct * n.astype(jnp.float32) / 100.0)).astype(jnp.int32)
+        return math.floor(guarded(pct * n / 100))
+    return jnp.floor(guarded(pct * n.astype(jnp.float32) / 100.0)).astype(jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,63 +180,46 @@ class Allocation:
 
 @dataclasses.dataclass(frozen=True)
 class Eviction:
+    """What to keep (budget, scorer, forced keeps, allocation) and when to evict (a schedule
+    strategy, plus bounded prefill or None): policies/schedules.py."""
+
     budget: Budget
     scorer: Any  # policies.scorers
     keeps: ForcedKeeps = ForcedKeeps()
-    probe: Any = None  # policies.probes, run before every block eviction
-    interval_blocks: int = 0  # 0: only after the prompt
-    first_probe: Any = None  # replaces `probe` at the first block
-    pin_first: bool = False
-    pin_probe: bool = False  # pin probe.span(...) at every block eviction
-    bounded_prefill: bool = False  # also evict after every stored prefill chunk
-    prefill_probe: Any = None  # its probe (None: rank without one, e.g. by position)
-    pin_prefill: bool = False  # keep prefill_probe's span (the question)
-    prefill_slack: float = 1.0  # bounded prefill keeps slack x C(seen): room for what no probe asks yet
-    defer_final_chunk: bool = False  # bounded prefill leaves the prompt's final chunk to the first block
-    prefill_budget: str = "seen"  # bounded prefill keeps C(seen) ("seen") or C(whole prompt) ("prompt")
-    step0_weight: float = 1.0  # block evictions rank by step0_weight x step-0 mass + probe mass
-    timing: str = "deferred"  # deferred | end_of_block (see the module docstring)
-    admit_final_first: bool = False  # end_of_block: compress the prompt after its final chunk
+    schedule: Any = Deferred()  # schedules.Deferred | schedules.EndOfBlock
+    prefill: Optional[BoundedPrefill] = None  # also evict after every stored prefill chunk
     allocation: Allocation = Allocation()  # how a row's budget is spread over layers / heads
 
     def __post_init__(self):
-        if self.timing not in TIMINGS:
-            raise PolicyError(f"eviction timing must be one of {'|'.join(TIMINGS)}, got {self.timing!r}")
-        if not self.prefill_slack >= 1.0:
-            raise PolicyError(f"prefill_slack must be >= 1 (a multiple of C(seen)), got {self.prefill_slack}")
-        if self.prefill_budget not in ("seen", "prompt"):
-            raise PolicyError(f"prefill_budget must be seen|prompt, got {self.prefill_budget!r}")
-        if self.timing == "end_of_block" and getattr(self.scorer, "ranks_by_step0", False):
+        if not self.schedule.deferred and getattr(self.scorer, "ranks_by_step0", False):
             raise PolicyError(
                 f"{type(self.scorer).__name__} ranks by the step-0 mass, which the end_of_block timing "
                 f"does not have (it evicts after the commit forward and at the prompt's final chunk, "
                 f"where no block's step 0 ran): use the deferred timing, or a scorer that reads no "
                 f"step-0 mass (PositionScore, Accumulated, ProbeMass with a probe)")
 
-    def prefill_capacity(self, seen):
-        """What bounded prefill keeps: prefill_slack x C(seen) (C(seen) itself at slack 1)."""
-        c = self.budget.capacity(seen)
-        if self.prefill_slack == 1.0:
-            return c
-        if isinstance(seen, int):
-            return int(math.floor(_guarded(self.prefill_slack * c)))
-        return jnp.floor(_guarded(self.prefill_slack * c.astype(jnp.float32))).astype(jnp.int32)
-
     @property
     def deferred(self) -> bool:
-        return self.timing == "deferred"
+        return self.schedule.deferred
+
+    @property
+    def bounded_prefill(self) -> bool:
+        return self.prefill is not None
+
+    @property
+    def interval_blocks(self) -> int:
+        return self.schedule.interval_blocks
+
+    def prefill_capacity(self, seen):
+        """What bounded prefill keeps: slack x C(seen) (C(seen) itself without bounded prefill)."""
+        return self.budget.capacity(seen) if self.prefill is None else self.prefill.capacity(self.budget, seen)
 
     # ---------------------------------------------------------------- schedule
     def due_after_prefill(self, cache) -> jax.Array:
-        if not self.deferred:
-            return jnp.zeros(cache.length.shape, bool)
-        return cache.length > self.budget.capacity(cache.seen)
+        return self.schedule.due_after_prefill(self, cache)
 
     def due_after_block(self, blocks_done, cache) -> jax.Array:
-        if not self.interval_blocks or not self.deferred:
-            return jnp.zeros(cache.length.shape, bool)
-        due = (blocks_done % self.interval_blocks) == 0
-        return due & (cache.length > self.budget.capacity(cache.seen))
+        return self.schedule.due_after_block(self, blocks_done, cache)
 
     def plan(self, prompt_cap: int, total_cap: int, block_size: int, chunk: int):
         """Static buffers: the prompt's while prefilling (C(prompt) + one chunk when bounded),
@@ -296,85 +255,19 @@ class Eviction:
 
     def at_block(self, cache, ctx: StepContext):
         """(cache in ctx.capacity slots, evicted, probe forwards) at step 0 of a block."""
-        rows = ctx.due & ctx.active
-        do = jnp.any(rows)
-        probe = self.first_probe if (ctx.first and self.first_probe is not None) else self.probe
-        pin = (ctx.first and self.first_probe is not None and self.pin_first) or (
-            self.pin_probe and probe is self.probe and probe is not None)
-
-        mass0 = ctx.mass
-        if self.step0_weight != 1.0 and mass0 is not None:
-            mass0 = self.step0_weight * mass0
-
-        def evict(c):
-            pm = probe.mass(c, ctx) if probe is not None else None
-            pinned = probe.span(c, ctx) if pin else None
-            return self.compact(c, mass0, pm, rows, ctx.capacity, pinned)
-
-        cache = jax.lax.cond(do, evict, lambda c: c.resize(ctx.capacity), cache)
-        n_fwd = 0 if probe is None else getattr(probe, "forwards", 1)
-        return cache, do, do.astype(jnp.int32) * n_fwd
+        return self.schedule.at_block(self, cache, ctx)
 
     def after_commit(self, cache, ctx: StepContext):
-        """end_of_block timing: after every interval_blocks-th block's append, rows over C(seen)
-        are compacted (released `end_block` -> `maybe_evict`). Returns (cache, evicted)."""
-        if self.deferred or not self.interval_blocks:
-            return cache, jnp.bool_(False)
-        due = (ctx.blocks_done % self.interval_blocks) == 0
-        rows = ctx.active & due & (cache.length > self.budget.capacity(cache.seen))
-        do = jnp.any(rows)
-        cache = jax.lax.cond(do, lambda c: self.compact(c, None, None, rows, ctx.capacity), lambda c: c, cache)
-        return cache, do
+        """(cache, evicted) after the commit forward's append (the end_of_block timing)."""
+        return self.schedule.after_commit(self, cache, ctx)
 
     def at_prefill_chunk(self, cache, ctx: StepContext):
         """After a stored prefill chunk: a stateful scorer observes it (not the first chunk);
-        bounded prefill compacts rows over C(seen) into ctx.capacity slots; the end_of_block
-        timing compresses the prompt at each row's final chunk."""
+        bounded prefill compacts rows over their bound; the end_of_block timing compresses the
+        prompt at each row's final chunk."""
         sc = self.scorer
         if (sc.observes_prefill or sc.reads_queries) and ctx.rows is not None:
             cache = sc.observe(cache, ctx._replace(rows=ctx.rows & (ctx.start > 0)[:, None]))
-        if self.bounded_prefill:
-            return self._bounded(cache, ctx)
-        if self.deferred:
-            return cache
-        final = (ctx.appended > 0) & (ctx.start + ctx.appended >= ctx.n_pre)
-        if self.admit_final_first:  # SnapKV: the final chunk's queries vote over the whole prompt
-            rows = final & (cache.length > self.budget.capacity(cache.seen))
-
-            def evict(c):
-                pm = self.probe.mass(c, ctx) if self.probe is not None else None
-                return self.compact(c, None, pm, rows, ctx.capacity)
-
-            return jax.lax.cond(jnp.any(rows), evict, lambda c: c, cache)
-        # the old prefix to C(seen before the chunk); the chunk, not admitted yet, survives whole
-        old, seen_old = cache.length - ctx.appended, cache.seen - ctx.appended
-        cap_old = self.budget.capacity(seen_old)
-        rows = final & (old > cap_old)
-
-        def compress(c):
-            keep = jnp.where(rows, jnp.minimum(old, cap_old) + ctx.appended, c.length)
-            slot = jnp.arange(c.capacity)[None, None, None, :]
-            forced = self.keeps.mask(c, old) | (c.valid & (slot >= old[None, :, None, None]))
-            scores = self.scorer.scores(c, None, None)
-            return c.keep_top(jnp.where(forced, jnp.inf, scores), keep, ctx.capacity)
-
-        return jax.lax.cond(jnp.any(rows), compress, lambda c: c, cache)
-
-    def _bounded(self, cache, ctx: StepContext):
-        # "prompt": the budget the whole prompt will have (its stored prefix, n_pre) from the first
-        # chunk on, so early chunks are not ranked against a C(seen) a fraction of the final one
-        seen = cache.seen if self.prefill_budget == "seen" else jnp.maximum(cache.seen, ctx.n_pre)
-        cap = self.prefill_capacity(seen)
-        over = cache.length > cap
-        if self.defer_final_chunk:  # the first block's eviction (lookahead + question) ranks it
-            over = over & (ctx.start + ctx.appended < ctx.n_pre)
-        keep = jnp.where(over, cap, cache.length)
-
-        def evict(c):
-            pinned = self.prefill_probe.span(c, ctx) if self.pin_prefill else None
-            if self.prefill_probe is None:  # a ranking that reads no queries: no probe forward
-                return self.evict(c, None, None, keep, ctx.capacity, pinned)
-            pm = self.prefill_probe.mass(c, ctx)
-            return self.evict(c, jnp.zeros_like(pm), pm, keep, ctx.capacity, pinned)
-
-        return jax.lax.cond(jnp.any(over), evict, lambda c: c, cache)
+        if self.prefill is not None:
+            return self.prefill.at_chunk(self, cache, ctx)
+        return self.schedule.at_final_chunk(self, cache, ctx)

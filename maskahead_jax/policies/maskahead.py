@@ -39,6 +39,7 @@ from typing import Optional
 from ..kernels.reference import POOLS
 from .composed import ComposedPolicy
 from .eviction import Allocation, Budget, Eviction, ForcedKeeps, budget_of, check_budget
+from .schedules import BoundedPrefill, Deferred
 from .probes import FILLS, DapQ as DapQProbe, Lookahead, Question, QuestionLookahead
 from .protocol import PolicyError
 from .scorers import MassScore, Pooled, ProbeMass, ValueScore
@@ -109,10 +110,9 @@ class MaskAhead(ComposedPolicy):
         budget = self.budget()
         alloc = Allocation(tuple(float(x) for x in self.layer_importance), self.alloc_beta, self.head_alloc,
                            self.alloc_floor, self.alloc_lane_cap, budget.multiple)
-        return Eviction(
-            budget=budget, scorer=scorer, allocation=alloc,
-            keeps=ForcedKeeps(self.sinks, self.recent), probe=Lookahead(m) if m > 1 else None,
-            interval_blocks=self.interval_blocks, first_probe=first, pin_first=self.pin_question)
+        schedule = Deferred(self.interval_blocks, probe=Lookahead(m) if m > 1 else None, first_probe=first,
+                            pin_first=self.pin_question)
+        return Eviction(budget, scorer, ForcedKeeps(self.sinks, self.recent), schedule, allocation=alloc)
 
     @property
     def takes_budget(self) -> bool:  # the variants that never evict have no budget to sweep
@@ -139,7 +139,7 @@ class MaskAhead(ComposedPolicy):
 
     def check_question(self) -> None:
         ev = self.eviction
-        if self.question_tokens and (ev is None or ev.probe is None):
+        if self.question_tokens and (ev is None or ev.schedule.probe is None):
             raise PolicyError(
                 f"question_tokens={self.question_tokens} needs MaskAhead's lookahead probe "
                 f"(evict_ranking != 'none', lookahead_blocks > 1); {self.label} has none")
@@ -165,8 +165,8 @@ class BoundedPrefillMaskAhead(MaskAhead):
         if ev is None:
             return None
         q = Question(self.question_tokens, self.lookahead_blocks)
-        return dataclasses.replace(ev, first_probe=None, pin_first=False, bounded_prefill=True,
-                                   prefill_probe=q, pin_prefill=self.pin_question)
+        return dataclasses.replace(ev, schedule=dataclasses.replace(ev.schedule, first_probe=None, pin_first=False),
+                                   prefill=BoundedPrefill(q, pin=self.pin_question))
 
     def check_question(self) -> None:
         if self.question_tokens <= 0:
@@ -267,22 +267,20 @@ class QuestionAwareMaskAhead(MaskAhead):
         m = self.lookahead_blocks
         question = Question(self.question_tokens, m, self.hide_question == "all",  # bounded prefill's probe
                             self.question_pool, draft=self.draft_tokens > 0, draft_probe=self.draft_probe)
-        if self.step0_weight != 1.0:
-            ev = dataclasses.replace(ev, step0_weight=self.step0_weight)
+        sched = dataclasses.replace(ev.schedule, step0_weight=self.step0_weight)
         if self.question_every:
             w = self.question_weight or float(m)
             probe = QuestionLookahead(self.question_tokens, m, w, hide_cached=self.hide_question != "none",
                                       with_masks=self.question_masks, pool=self.question_pool)
-            ev = dataclasses.replace(ev, probe=probe, first_probe=None, pin_first=False,
-                                     pin_probe=self.pin_question)
+            sched = dataclasses.replace(sched, probe=probe, first_probe=None, pin_first=False,
+                                        pin_probe=self.pin_question)
         if self.first_block_probe == "question":
-            ev = dataclasses.replace(ev, first_probe=question)
+            sched = dataclasses.replace(sched, first_probe=question)
+        prefill = None
         if self.bounded_prefill:
-            ev = dataclasses.replace(ev, bounded_prefill=True, prefill_probe=question,
-                                     pin_prefill=self.pin_question, prefill_slack=self.prefill_slack,
-                                     defer_final_chunk=self.defer_final_chunk,
-                                     prefill_budget=self.prefill_budget)
-        return ev
+            prefill = BoundedPrefill(question, self.pin_question, self.prefill_slack, self.defer_final_chunk,
+                                     self.prefill_budget)
+        return dataclasses.replace(ev, schedule=sched, prefill=prefill)
 
     def check_question(self) -> None:
         if self.question_tokens <= 0:
@@ -345,9 +343,9 @@ class DapQ(MaskAhead):
         if ev is None:
             return None
         if self.lookahead_probe == "dapq":
-            return dataclasses.replace(ev, scorer=ProbeMass(), probe=DapQProbe())
+            return dataclasses.replace(ev, scorer=ProbeMass(), schedule=dataclasses.replace(ev.schedule, probe=DapQProbe()))
         fill = {"dapq_fill": "dapq"}.get(self.lookahead_probe, self.lookahead_probe)
-        return dataclasses.replace(ev, probe=Lookahead(self.lookahead_blocks, fill))
+        return dataclasses.replace(ev, schedule=dataclasses.replace(ev.schedule, probe=Lookahead(self.lookahead_blocks, fill)))
 
     def validate(self, cfg, gen) -> None:
         kinds = ("dapq", "dapq_fill") + tuple(f for f in FILLS if f != "dapq")
