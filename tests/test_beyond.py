@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from experiments.qa_lab import LabQuestionAware as Lab  # the lab knobs' plugin (registers its names)
 from maskahead_jax.config import GenerationConfig
 from maskahead_jax.generate import BudgetWarning, generate
 from maskahead_jax.policies import MaskAhead, PolicyError, QuestionAwareMaskAhead, StepContext, make
@@ -88,7 +89,7 @@ def test_question_masks_probe_forwards_the_question_with_its_mask_blocks():
     la = np.asarray(Lookahead(3).mass(None, ctx))
     q = np.asarray(Question(5, 3).mass(None, ctx)) / 3
     np.testing.assert_allclose(got, la + 2.5 * q, rtol=1e-6)
-    assert QuestionAwareMaskAhead(**SMALL, question_masks=True).eviction.schedule.probe.with_masks
+    assert Lab(**SMALL, question_masks=True).eviction.schedule.probe.with_masks
 
 
 def test_hidden_question_probe_reads_no_cached_copy_of_the_question():
@@ -125,9 +126,9 @@ def test_hidden_question_probe_reads_no_cached_copy_of_the_question():
     assert np.array_equal(seen[1], np.asarray(cache.valid))  # the lookahead's blocks read all
     assert np.array_equal(seen[2], want)  # QuestionLookahead's question forward
     assert np.array_equal(seen[3], np.asarray(cache.valid))  # default: the cache as it is
-    ev = QuestionAwareMaskAhead(**SMALL, hide_question="all").eviction
+    ev = Lab(**SMALL, hide_question="all").eviction
     assert ev.schedule.probe.hide_cached and ev.prefill.probe.hide_cached
-    ev = QuestionAwareMaskAhead(**SMALL, hide_question="blocks").eviction
+    ev = Lab(**SMALL, hide_question="blocks").eviction
     assert ev.schedule.probe.hide_cached and not ev.prefill.probe.hide_cached
     ev = QuestionAwareMaskAhead(**SMALL).eviction
     assert not ev.schedule.probe.hide_cached and not ev.prefill.probe.hide_cached
@@ -239,7 +240,7 @@ def test_draft_capacity_is_the_first_pass_budget_and_its_peak_counts():
     m = tiny_model("sdar", num_layers=2)
     prompts = _prompts((300,))
     gc = GenerationConfig(max_new_tokens=8, prefill_chunk=32, stop_at_eos=False)
-    pol = QuestionAwareMaskAhead(**SMALL, question_tokens=12, draft_tokens=8, draft_capacity_pct=60)
+    pol = Lab(**SMALL, question_tokens=12, draft_tokens=8, draft_capacity_pct=60)
     n, first = pol.draft_pass()
     assert first == dataclasses.replace(pol, draft_tokens=0, draft_capacity_pct=0.0, capacity_pct=60.0)
     out = generate(m, prompts, gc, policy=pol)
@@ -254,7 +255,7 @@ def test_draft_past_answer_drafts_draft_tokens_whatever_the_answer_limit():
     draft_tokens (a short answer's draft goes on into the model's continuation); the first pass
     itself never drafts."""
     m = tiny_model("sdar", num_layers=2)
-    pol = QuestionAwareMaskAhead(**SMALL, question_tokens=12, draft_tokens=12)
+    pol = Lab(**SMALL, question_tokens=12, draft_tokens=12)
     past = dataclasses.replace(pol, draft_past_answer=True)
     assert pol.draft_pass(8)[0] == 8 and pol.draft_pass(20)[0] == 12 and pol.draft_pass()[0] == 12
     n, first = past.draft_pass(8)
@@ -269,12 +270,12 @@ def test_draft_past_answer_drafts_draft_tokens_whatever_the_answer_limit():
     notes = [w for w in caught if issubclass(w.category, BudgetWarning)]
     assert [str(w.message) for w in notes] == [past.budget_note([70])]
     with pytest.raises(PolicyError, match="draft_past_answer=True needs draft_tokens"):
-        generate(m, [[1, 2, 3]], gc, policy=QuestionAwareMaskAhead(**SMALL, draft_past_answer=True))
+        generate(m, [[1, 2, 3]], gc, policy=Lab(**SMALL, draft_past_answer=True))
 
 
 def test_q_maskahead_draft_is_q_maskahead_qa_with_a_96_token_draft_and_mean_max_rows():
     pol = make("q-maskahead-draft", 20)
-    assert pol.name == "q-maskahead-draft" and pol.head_alloc == "adakv" and pol.bits == 4
+    assert pol.label == "q-maskahead-draft" and pol.head_alloc == "adakv" and pol.storage.bits == 4
     n, first = pol.draft_pass()
     assert n == 96 and first.draft_tokens == 0 and first.draft_pass() is None
     assert pol.eviction.prefill.probe.draft and not first.eviction.prefill.probe.draft
@@ -282,7 +283,9 @@ def test_q_maskahead_draft_is_q_maskahead_qa_with_a_96_token_draft_and_mean_max_
     qa = make("q-maskahead-qa", 20, draft_tokens=96, question_pool="mean+max")
     assert pol.eviction == qa.eviction and pol.selector == qa.selector
     assert pol.eviction.prefill.probe.draft_probe == "tokens"
-    assert make("q-maskahead-draft", 20, draft_probe="interleaved").eviction.prefill.probe.draft_probe == "interleaved"
+    lab = make("q-maskahead-draft-lab", 20, draft_probe="interleaved")  # experiments/qa_lab.py
+    assert lab.eviction.prefill.probe.draft_probe == "interleaved" and lab.label == "q-maskahead-draft-lab"
+    assert dataclasses.replace(make("q-maskahead-draft-lab", 20), storage=pol.storage).eviction == pol.eviction
 
 
 def test_step0_weight_scales_the_block_evictions_step0_mass():
@@ -321,8 +324,8 @@ def test_step0_weight_scales_the_block_evictions_step0_mass():
     assert np.array_equal(kept(0.0, mass), kept(1.0, jnp.zeros_like(mass)))
     assert np.array_equal(kept(3.0, mass), kept(1.0, 3.0 * mass))
     assert not np.array_equal(kept(0.0, mass), kept(1.0, mass))
-    assert QuestionAwareMaskAhead(**SMALL, step0_weight=0.0).eviction.schedule.step0_weight == 0.0
-    first = QuestionAwareMaskAhead(**SMALL, first_block_probe="question")
+    assert Lab(**SMALL, step0_weight=0.0).eviction.schedule.step0_weight == 0.0
+    first = Lab(**SMALL, first_block_probe="question")
     assert first.eviction.schedule.first_probe == first.eviction.prefill.probe == Question(128, 3)
     assert first.first_block_special and not QuestionAwareMaskAhead(**SMALL).first_block_special
 
@@ -534,7 +537,7 @@ def test_prefill_slack_keeps_more_while_prefilling_and_nothing_more_after():
     m = tiny_model("sdar", num_layers=3)
     prompts = _prompts()
     gc = GenerationConfig(max_new_tokens=32, prefill_chunk=32, stop_at_eos=False)
-    runs = {s: generate(m, prompts, gc, policy=QuestionAwareMaskAhead(**SMALL, question_tokens=12, prefill_slack=s))
+    runs = {s: generate(m, prompts, gc, policy=Lab(**SMALL, question_tokens=12, prefill_slack=s))
             for s in (1.0, 2.0, 3.0, 100.0)}
     peak = {s: runs[s].stats["kv_bytes_peak"][0] for s in runs}
     assert peak[1.0] < peak[2.0] < peak[3.0]
@@ -546,7 +549,7 @@ def test_prefill_slack_keeps_more_while_prefilling_and_nothing_more_after():
     assert [list(t) for t in runs[100.0].tokens] == [list(t) for t in released.tokens]
     assert runs[100.0].stats["kv_bytes_peak"] == released.stats["kv_bytes_peak"]
     with pytest.raises(PolicyError, match="prefill_slack must be >= 1"):
-        generate(m, prompts, gc, policy=QuestionAwareMaskAhead(**SMALL, prefill_slack=0.5))
+        generate(m, prompts, gc, policy=Lab(**SMALL, prefill_slack=0.5))
 
 
 def test_prefill_budget_prompt_keeps_the_whole_prompts_budget_from_the_first_chunk():
@@ -556,12 +559,12 @@ def test_prefill_budget_prompt_keeps_the_whole_prompts_budget_from_the_first_chu
     m = tiny_model("sdar", num_layers=2)
     gc = GenerationConfig(max_new_tokens=8, prefill_chunk=32, stop_at_eos=False)
     knobs = dict(SMALL, capacity_pct=40, question_tokens=12)
-    run = lambda b: generate(m, _prompts(), gc, policy=QuestionAwareMaskAhead(**knobs, prefill_budget=b))
+    run = lambda b: generate(m, _prompts(), gc, policy=Lab(**knobs, prefill_budget=b))
     seen, whole = run("seen"), run("prompt")
     assert all(w > s for w, s in zip(whole.stats["kv_bytes_peak"], seen.stats["kv_bytes_peak"]))
     assert whole.stats["kv_bytes_final"] == seen.stats["kv_bytes_final"]
     with pytest.raises(PolicyError, match="prefill_budget must be seen|prompt"):
-        QuestionAwareMaskAhead(**SMALL, prefill_budget="all").eviction
+        Lab(**SMALL, prefill_budget="all").eviction
 
 
 def test_bad_settings_are_clear_errors():
@@ -572,21 +575,21 @@ def test_bad_settings_are_clear_errors():
     with pytest.raises(PolicyError, match="lookahead_blocks >= 2"):
         generate(m, [[1, 2, 3]], gc, policy=QuestionAwareMaskAhead(**dict(SMALL, lookahead_blocks=1)))
     with pytest.raises(PolicyError, match="step0_weight must be >= 0"):
-        generate(m, [[1, 2, 3]], gc, policy=QuestionAwareMaskAhead(**SMALL, step0_weight=-1))
+        generate(m, [[1, 2, 3]], gc, policy=Lab(**SMALL, step0_weight=-1))
     with pytest.raises(PolicyError, match="first_block_probe must be"):
-        generate(m, [[1, 2, 3]], gc, policy=QuestionAwareMaskAhead(**SMALL, first_block_probe="x"))
+        generate(m, [[1, 2, 3]], gc, policy=Lab(**SMALL, first_block_probe="x"))
     with pytest.raises(PolicyError, match="hide_question must be one of"):
-        generate(m, [[1, 2, 3]], gc, policy=QuestionAwareMaskAhead(**SMALL, hide_question="some"))
+        generate(m, [[1, 2, 3]], gc, policy=Lab(**SMALL, hide_question="some"))
     with pytest.raises(PolicyError, match="draft_tokens must be >= 0"):
         generate(m, [[1, 2, 3]], gc, policy=QuestionAwareMaskAhead(**SMALL, draft_tokens=-1))
     with pytest.raises(PolicyError, match="draft_tokens needs bounded_prefill=True"):
         generate(m, [[1, 2, 3]], gc, policy=QuestionAwareMaskAhead(**SMALL, draft_tokens=4, bounded_prefill=False))
     with pytest.raises(PolicyError, match="draft_probe must be tokens"):
-        generate(m, [[1, 2, 3]], gc, policy=QuestionAwareMaskAhead(**SMALL, draft_tokens=4, draft_probe="masks"))
+        generate(m, [[1, 2, 3]], gc, policy=Lab(**SMALL, draft_tokens=4, draft_probe="masks"))
     with pytest.raises(PolicyError, match="draft_capacity_pct=30 needs draft_tokens > 0"):
-        generate(m, [[1, 2, 3]], gc, policy=QuestionAwareMaskAhead(**SMALL, draft_capacity_pct=30))
+        generate(m, [[1, 2, 3]], gc, policy=Lab(**SMALL, draft_capacity_pct=30))
     with pytest.raises(PolicyError, match="draft_capacity_pct must be in"):
-        generate(m, [[1, 2, 3]], gc, policy=QuestionAwareMaskAhead(**SMALL, draft_tokens=4, draft_capacity_pct=130))
+        generate(m, [[1, 2, 3]], gc, policy=Lab(**SMALL, draft_tokens=4, draft_capacity_pct=130))
     with pytest.raises(ValueError, match="needs a block-causal model"):
         generate(tiny_model("llada"), [[1, 2, 3]], gc, policy=QuestionAwareMaskAhead(**SMALL, draft_tokens=4))
     with pytest.raises(PolicyError, match="question_pool must be one of"):

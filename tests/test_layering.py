@@ -214,3 +214,21 @@ def test_modules_and_functions_stay_small():
                 if n > 80:
                     big_functions.append(f"{mod}.{node.name}: {n} lines")
     assert big_modules == [] and big_functions == []
+
+
+def test_policies_stay_small():
+    """Issue 54's knob budget: no registered policy with more than 28 fields, none adding more
+    than 8 to a registered policy it extends, and the eviction part (schedules aside) <= 10."""
+    import dataclasses
+
+    from maskahead_jax.policies import names
+    from maskahead_jax.policies.eviction import Eviction
+    from maskahead_jax.policies.registry import entry
+
+    classes = {entry(n).cls for n in names() if entry(n).cls.__module__.startswith("maskahead_jax")}
+    width = lambda c: len(dataclasses.fields(c))
+    too_wide = [(c.__name__, width(c)) for c in classes if width(c) > 28]
+    too_much = [(c.__name__, b.__name__, width(c) - width(b)) for c in classes for b in c.__mro__[1:2]
+                if b in classes and width(c) - width(b) > 8]
+    assert too_wide == [] and too_much == [] and len(classes) > 10
+    assert width(Eviction) <= 10

@@ -256,7 +256,7 @@ def _draft(model, prompts, config: GenerationConfig, first, cfg: ModelConfig, ru
     mask id after each row's end, the first pass's GenerateOutput); the policy caps n (at the
     run's max_new_tokens unless it drafts past the answer).
     The first pass's warnings are passed on, except a BudgetWarning saying the run's own
-    `run_note` (the same note twice); a first pass with its own budget (draft_capacity_pct)
+    `run_note` (the same note twice); a first pass with its own budget (experiments/qa_lab.py: draft_capacity_pct)
     keeps its own."""
     n, policy = first
     if cfg.attention == "bidirectional":

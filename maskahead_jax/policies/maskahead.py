@@ -184,47 +184,18 @@ class QuestionAwareMaskAhead(MaskAhead):
     bounded_prefill  also evict after every prefill chunk, scored by the question probe
                      (BoundedPrefillMaskAhead's), so the peak stays near C + one chunk
     question_weight  the question mass's weight (0: lookahead_blocks, Question's scaling)
-    prefill_slack    bounded prefill keeps prefill_slack x C(seen) entries (1: C(seen)), so
-                     facts the question does not name (a second hop) survive until the first
-                     block's lookahead can ask for them; the peak grows by (slack - 1) x C
-    defer_final_chunk  bounded prefill does not compact after the prompt's final chunk: the
-                     first block's eviction ranks that chunk and the C(seen) kept before it
-                     with the lookahead probe (facts near the question survive until the
-                     answer's masks can ask for them); the peak stays C + one chunk
-    hide_question    which question probes read the cache without the question's own entries
-                     (probes.Question.hide_cached; they still read their re-run copy): "none",
-                     "blocks" (the block evictions' QuestionLookahead), "all" (and bounded
-                     prefill's Question probe), so the question's mass goes to what it asks for
-    question_masks   True: the block evictions' question forward carries the mask blocks after
-                     the question, as bounded prefill's probe does (what an answer to the
-                     question reads, not only what the question's own tokens read)
-    step0_weight     the weight of the current block's step-0 mass in block evictions (1: the
-                     released ranking; 0: the probes alone, as bounded prefill ranks)
-    first_block_probe  "lookahead": the first block's eviction probes as every block's does;
-                     "question": with bounded prefill's probe (the question and its mask blocks),
-                     so with step0_weight=0 it ranks as bounded prefill ranks, once
-    The last five were measured on the testbed (docs/results.md §2c-3): none beats the defaults.
     question_pool    how the question probes pool their rows (reference.POOLS): "mean" (the
                      released rule), "max", "mean+max", "max_joint" (each computed in the
                      attention kernels' statistics pass too)
     draft_tokens     n > 0: generate first runs this policy without a draft for n new tokens (at
                      most max_new_tokens), and bounded prefill's question probe reads that answer
                      in its mask blocks (`draft_pass`; block-causal models)
-    draft_probe      how bounded prefill's probe reads the draft (probes.Question.draft_probe):
-                     "tokens" (as drafted) or "interleaved" (two forwards, its even / odd
-                     positions masked again, so mask queries ask for each drafted position)
-    draft_past_answer  False: the draft is at most the run's max_new_tokens (the answer's own
-                     length limit); True: draft_tokens whatever that limit, so a short answer's
-                     draft goes on into the model's continuation (it asks itself about other
-                     documents or cases, and those queries probe the prompt too)
-    draft_capacity_pct  > 0: the first pass keeps this budget instead of capacity_pct (a draft
-                     read from more of the prompt; the run's peak is the larger pass's, the end
-                     memory the second's); 0: the run's own budget
-    prefill_budget   "seen": bounded prefill keeps C(seen so far); "prompt": C(whole stored
-                     prompt) from the first chunk on (the peak grows to C(prompt) + one chunk)
-    Measured in docs/results.md §2c-4: the draft with mean+max rows is the best row
-    (`q-maskahead-draft`); §2c-5 / §2c-6: draft_capacity_pct, draft_probe="interleaved" and
-    draft_past_answer do not beat it (knobs, off by default).
+
+    What they measure: docs/results.md §2. The knobs that measured no better than these
+    defaults (prefill_slack, defer_final_chunk, hide_question, question_masks, step0_weight,
+    first_block_probe, prefill_budget, draft_capacity_pct, draft_probe, draft_past_answer) live
+    in the experiments plugin experiments/qa_lab.py (`maskahead-qa-lab` and friends), with
+    their measurements in docs/notes/2026-12-05-issue40-question-aware.md.
     """
 
     name = "maskahead-qa"
@@ -233,53 +204,43 @@ class QuestionAwareMaskAhead(MaskAhead):
     question_every: bool = True
     bounded_prefill: bool = True
     question_weight: float = 0.0
-    prefill_slack: float = 1.0
-    defer_final_chunk: bool = False
-    hide_question: str = "none"
-    question_masks: bool = False
-    step0_weight: float = 1.0
-    first_block_probe: str = "lookahead"
     question_pool: str = "mean"
     draft_tokens: int = 0
-    draft_capacity_pct: float = 0.0
-    draft_probe: str = "tokens"
-    prefill_budget: str = "seen"
-    draft_past_answer: bool = False
 
     def draft_pass(self, max_new_tokens: Optional[int] = None):
         """draft_tokens > 0: generate first runs this policy without a draft for draft_tokens new
-        tokens (at most max_new_tokens, the run's answer limit, unless draft_past_answer); bounded
-        prefill's question probe then reads that answer in its mask blocks."""
+        tokens (at most max_new_tokens, the run's answer limit); bounded prefill's question probe
+        then reads that answer in its mask blocks."""
         if self.draft_tokens <= 0:
             return None
-        n = self.draft_tokens
-        if max_new_tokens is not None and not self.draft_past_answer:
-            n = min(n, int(max_new_tokens))
-        return n, dataclasses.replace(
-            self, draft_tokens=0, draft_capacity_pct=0.0, draft_past_answer=False,
-            capacity_pct=float(self.draft_capacity_pct) if self.draft_capacity_pct else self.capacity_pct)
+        n = self.draft_tokens if max_new_tokens is None else min(self.draft_tokens, int(max_new_tokens))
+        return n, dataclasses.replace(self, draft_tokens=0)
+
+    # ------------------------------------------------------------------ parts (a subclass may refine)
+    def question_probe(self) -> Question:
+        """Bounded prefill's probe: the question at its real positions and the mask blocks after it
+        (opening with the draft, when there is one)."""
+        return Question(self.question_tokens, self.lookahead_blocks, pool=self.question_pool,
+                        draft=self.draft_tokens > 0)
+
+    def block_probe(self) -> QuestionLookahead:
+        """Every block eviction's probe: the lookahead's mass plus the question's own."""
+        w = self.question_weight or float(self.lookahead_blocks)
+        return QuestionLookahead(self.question_tokens, self.lookahead_blocks, w, pool=self.question_pool)
+
+    def bounded(self, probe) -> BoundedPrefill:
+        return BoundedPrefill(probe, self.pin_question)
 
     @property
     def eviction(self) -> Optional[Eviction]:
         ev = super().eviction  # question_every=False: the first-eviction question probe
         if ev is None or self.question_tokens <= 0:
             return ev
-        m = self.lookahead_blocks
-        question = Question(self.question_tokens, m, self.hide_question == "all",  # bounded prefill's probe
-                            self.question_pool, draft=self.draft_tokens > 0, draft_probe=self.draft_probe)
-        sched = dataclasses.replace(ev.schedule, step0_weight=self.step0_weight)
+        sched = ev.schedule
         if self.question_every:
-            w = self.question_weight or float(m)
-            probe = QuestionLookahead(self.question_tokens, m, w, hide_cached=self.hide_question != "none",
-                                      with_masks=self.question_masks, pool=self.question_pool)
-            sched = dataclasses.replace(sched, probe=probe, first_probe=None, pin_first=False,
+            sched = dataclasses.replace(sched, probe=self.block_probe(), first_probe=None, pin_first=False,
                                         pin_probe=self.pin_question)
-        if self.first_block_probe == "question":
-            sched = dataclasses.replace(sched, first_probe=question)
-        prefill = None
-        if self.bounded_prefill:
-            prefill = BoundedPrefill(question, self.pin_question, self.prefill_slack, self.defer_final_chunk,
-                                     self.prefill_budget)
+        prefill = self.bounded(self.question_probe()) if self.bounded_prefill else None
         return dataclasses.replace(ev, schedule=sched, prefill=prefill)
 
     def check_question(self) -> None:
@@ -290,34 +251,15 @@ class QuestionAwareMaskAhead(MaskAhead):
                               f"got {self.lookahead_blocks}")
         if self.question_weight < 0:
             raise PolicyError(f"question_weight must be >= 0, got {self.question_weight}")
-        if not self.prefill_slack >= 1.0:
-            raise PolicyError(f"prefill_slack must be >= 1, got {self.prefill_slack}")
-        if not self.step0_weight >= 0:
-            raise PolicyError(f"step0_weight must be >= 0, got {self.step0_weight}")
-        if self.first_block_probe not in ("lookahead", "question"):
-            raise PolicyError(f"first_block_probe must be lookahead|question, got {self.first_block_probe!r}")
         if self.draft_tokens < 0:
             raise PolicyError(f"draft_tokens must be >= 0, got {self.draft_tokens}")
-        if self.draft_tokens and not (self.bounded_prefill or self.first_block_probe == "question"):
-            raise PolicyError("draft_tokens needs bounded_prefill=True or first_block_probe=question: "
-                              "only their question probe reads the draft")
-        if self.draft_past_answer and not self.draft_tokens:
-            raise PolicyError("draft_past_answer=True needs draft_tokens > 0: it sets how far the draft runs")
-        if self.draft_probe not in ("tokens", "interleaved"):
-            raise PolicyError(f"draft_probe must be tokens|interleaved, got {self.draft_probe!r}")
-        if self.draft_capacity_pct:
-            if not self.draft_tokens:
-                raise PolicyError(f"draft_capacity_pct={self.draft_capacity_pct:g} needs draft_tokens > 0: "
-                                  "it is the first (drafting) pass's budget")
-            if not 0 < self.draft_capacity_pct <= 100:
-                raise PolicyError(f"draft_capacity_pct must be in (0, 100], got {self.draft_capacity_pct}")
-            if self.capacity_entries:
-                raise PolicyError("draft_capacity_pct is a percentage of the prompt; with an absolute "
-                                  f"budget (capacity_entries={self.capacity_entries}) leave it 0")
+        if self.draft_tokens and not self.drafts_are_read():
+            raise PolicyError("draft_tokens needs bounded_prefill=True: only its question probe reads the draft")
         if self.question_pool not in POOLS:
             raise PolicyError(f"question_pool must be one of {'|'.join(POOLS)}, got {self.question_pool!r}")
-        if self.hide_question not in ("none", "blocks", "all"):
-            raise PolicyError(f"hide_question must be one of none|blocks|all, got {self.hide_question!r}")
+
+    def drafts_are_read(self) -> bool:
+        return self.bounded_prefill
 
 
 @dataclasses.dataclass(frozen=True)
