@@ -111,6 +111,16 @@ SWEEPS: dict[str, SweepPreset] = {
         capacities=(10.0, 5.0, 20.0),
         batch_size=4,
         score_datasets=SUITE5),
+    "testbed-low-bit": SweepPreset(
+        note="docs/results.md §2: the baselines on the packed 4-bit cache (storage=Packed(4), issue 54), "
+             "the same cells as testbed-policies, at 10%",
+        preset="testbed",
+        cells=((SUITE5, 2048, 2, ""), (("passkey",), 4096, 1, "@4096")),
+        depths=(0.0, 0.25, 0.5, 0.75, 1.0),
+        policies=("streaming[bits=4]", "h2o[bits=4]", "snapkv[bits=4]"),
+        capacities=(10.0,),
+        batch_size=4,
+        score_datasets=SUITE5),
 }
 
 
