@@ -513,7 +513,8 @@ def test_sweep_variants_and_capacity_order():
                     ("q-maskahead[bits=2]", 5.0)]
     sp = sweep_preset("testbed-policies")
     pol = sweep_factory(sp)("q-maskahead[bits=2]", 5.0)
-    assert (pol.bits, pol.capacity_pct, pol.capacity_floor, pol.topk_floor, pol.recent) == (2, 5.0, 64, 32, 32)
+    assert (pol.storage.bits, pol.capacity_pct, pol.capacity_floor, pol.topk_floor, pol.recent) == (2, 5.0, 64, 32, 32)
+    assert sweep_factory(sp)("h2o[bits=4]", 10.0).label == "q-h2o"
     assert sweep_factory(sp)("pyramidkv[block_causal=true]", 5.0).block_causal is True
 
 
