@@ -605,7 +605,7 @@ def test_deferred_final_chunk_leaves_the_last_chunk_to_the_first_block():
     m = tiny_model("sdar", num_layers=3)
     gc = GenerationConfig(max_new_tokens=32, prefill_chunk=256, stop_at_eos=False)
     one_chunk = _prompts()  # 150 and 97 tokens: one 256-token chunk each
-    pol = lambda **kw: QuestionAwareMaskAhead(**SMALL, question_tokens=12, **kw)
+    pol = lambda **kw: Lab(**SMALL, question_tokens=12, **kw)
     deferred = generate(m, one_chunk, gc, policy=pol(defer_final_chunk=True))
     released = generate(m, one_chunk, gc, policy=pol(bounded_prefill=False))
     assert [list(t) for t in deferred.tokens] == [list(t) for t in released.tokens]
