@@ -165,13 +165,16 @@ def prompt_bucket(n: int, quantum: int = 64) -> int:
 
 def generate(model, prompts: Sequence[Sequence[int]], config: GenerationConfig = GenerationConfig(),
              policy=None, *, jit: bool = True, cache_dtype=None, bucket: int = 64,
-             mesh=None) -> GenerateOutput:
-    """Generate for a ragged batch of token-id prompts with a KV-cache policy (None = Dense).
+             mesh=None, draft=None) -> GenerateOutput:
+    """Generate for a ragged batch of token-id prompts with a KV-cache policy (None = Dense): one
+    run of the core (the public `maskahead_jax.generate` adds a drafting policy's first pass,
+    maskahead_jax/drafting.py).
 
     jit=False runs the very same functions eagerly (a plain-Python debug loop).
     cache_dtype defaults to the params' dtype.
     mesh: a jax.sharding.Mesh (see maskahead_jax.sharding.make_mesh, e.g. "data=2,model=4"):
     params / prompts are placed by the sharding rules and the same core runs under the mesh.
+    draft: [B, n] int32 token ids the policy's hooks read as ctx.draft (a first pass's answer).
     """
     cfg: ModelConfig = model.config
     gen = _attention_for(config.resolve(cfg), mesh)
@@ -179,13 +182,8 @@ def generate(model, prompts: Sequence[Sequence[int]], config: GenerationConfig =
     policy.check_run(cfg, gen)
     prompts = _validate_prompts(prompts, cfg, gen)
     note = policy.budget_note([len(p) for p in prompts])
-    draft = None
-    first = policy.draft_pass(config.max_new_tokens)
-    if first is not None:
-        draft, first = _draft(model, prompts, config, first, cfg, note, jit=jit, cache_dtype=cache_dtype,
-                              bucket=bucket, mesh=mesh)
     if note:
-        warnings.warn(note, BudgetWarning, stacklevel=2)
+        warnings.warn(note, BudgetWarning, stacklevel=3)
     dtype = jnp.dtype(cache_dtype or model.params["embed"].dtype)
     arr, plen = _prompt_arrays(prompts, cfg, gen, bucket)
     _relieve_map_pressure()
@@ -212,8 +210,6 @@ def generate(model, prompts: Sequence[Sequence[int]], config: GenerationConfig =
     wall = timings["total_s"]
     out = finish(res, prompts, cfg, gen, wall, policy)
     out.stats["timings"] = timings
-    if first is not None:
-        _add_draft_stats(out, first)
     return out
 
 
@@ -249,50 +245,6 @@ def lower(model, prompts: Sequence[Sequence[int]], config: GenerationConfig = Ge
         args += (None, prefilled)
     fn = _core_fn(cfg, True)
     return fn.lower(*args, cfg=cfg, gen=gen, policy=policy, cache_dtype=dtype, phase=phase), args
-
-
-def _draft(model, prompts, config: GenerationConfig, first, cfg: ModelConfig, run_note, **kw):
-    """The first pass of a policy's `draft_pass`: (n, policy) -> ([B, n] int32 drafted answers,
-    mask id after each row's end, the first pass's GenerateOutput); the policy caps n (at the
-    run's max_new_tokens unless it drafts past the answer).
-    The first pass's warnings are passed on, except a BudgetWarning saying the run's own
-    `run_note` (the same note twice); a first pass with its own budget (experiments/qa_lab.py: draft_capacity_pct)
-    keeps its own."""
-    n, policy = first
-    if cfg.attention == "bidirectional":
-        raise ValueError(f"{type(policy).__name__}: a drafted first pass (draft_pass) needs a "
-                         f"block-causal model; {cfg.family} is bidirectional")
-    if kw.get("mesh") is not None:
-        raise ValueError("a drafted first pass (draft_pass) does not run under a device mesh yet")
-    if n <= 0 or policy.draft_pass(n) is not None:
-        raise ValueError(f"draft_pass must give n > 0 new tokens and a policy without a draft pass, "
-                         f"got n={n}, {policy.draft_pass(n)}")
-    with warnings.catch_warnings(record=True) as caught:  # the run warns of its own budget
-        warnings.simplefilter("always")
-        out = generate(model, prompts, dataclasses.replace(config, max_new_tokens=n, timings=False),
-                       policy, **kw)
-    for w in caught:  # re-issued, but not a first-pass BudgetWarning the run will repeat
-        if not (issubclass(w.category, BudgetWarning) and str(w.message) == run_note):
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    arr = np.full((len(prompts), n), cfg.mask_token_id, np.int32)
-    for i, row in enumerate(out.tokens):
-        arr[i, :len(row)] = row[:n]
-    return arr, out
-
-
-def _add_draft_stats(out: GenerateOutput, first: GenerateOutput) -> None:
-    """Count the first pass in the run's cost: its forwards and wall time are added, its peak
-    bytes taken when higher (the passes run one after the other, so memory is their max)."""
-    stats, fs = out.stats, first.stats
-    stats["nfe"] = [a + b for a, b in zip(stats["nfe"], fs["nfe"])]
-    stats["nfe_batch"] += fs["nfe_batch"]
-    stats["tokens_per_forward"] = sum(map(len, out.tokens)) / max(1, stats["nfe_batch"])
-    stats["wall_s"] += fs["wall_s"]
-    peak = [max(a, b) for a, b in zip(stats["kv_bytes_peak"], fs["kv_bytes_peak"])]
-    stats["kv_bytes_peak"] = peak
-    stats["reduction_peak"] = [d / max(p, 1.0) for d, p in zip(stats["dense_bytes_peak"], peak)]
-    stats["draft"] = dict(tokens=[len(t) for t in first.tokens], nfe=fs["nfe"],
-                          nfe_batch=fs["nfe_batch"], wall_s=fs["wall_s"])
 
 
 def _timed_run(fn, args, static):
