@@ -4,7 +4,6 @@ per (batch, prompt bucket, generation config, policy): one compile, no host sync
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import numbers
@@ -83,14 +82,9 @@ def _relieve_map_pressure() -> None:
 
 
 def _attention_for(gen: ResolvedGeneration, mesh) -> ResolvedGeneration:
-    """Check the attention choice; "auto" under a mesh is the reference (pallas_call is not
-    partitioned by GSPMD), a kernel named explicitly under a mesh is an error."""
-    impl = attention.resolve(gen.attention)  # unknown names / no kernels here: ValueError
-    if mesh is not None and impl != "reference":
-        if gen.attention == "auto":
-            return dataclasses.replace(gen, attention="reference")
-        raise ValueError(f"attention={gen.attention!r} cannot run under a device mesh yet (the "
-                         f"Pallas kernels are not partitioned); use 'auto' or 'reference'")
+    """Check the attention choice (unknown names, no kernels on this backend: ValueError). Under a
+    mesh the kernels run per shard (kernels/sharded.py)."""
+    attention.resolve(gen.attention)
     return gen
 
 

@@ -9,8 +9,8 @@ the implementation chosen for the current trace (`GenerationConfig.attention`).
                  when the engine asks for statistics; packed int4 / int2: codes dequantized tile
                  by tile in the kernel), and `jax.nn.dot_product_attention` for a block that
                  reads no context (the first prefill chunk, the bidirectional full pass)
-    "auto"       kernels on GPU / TPU, reference on CPU (and reference under a device mesh:
-                 the kernels are not partitioned by GSPMD)
+    "auto"       kernels on GPU / TPU, reference on CPU; under a device mesh the kernels run
+                 per shard (kernels/sharded.py: shard_map over data / model / seq)
     "pallas_gpu" | "pallas_tpu" | ...   one kernel backend by name (tests: with interpret=True
                  on the CPU)
 
@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import quant
-from . import dispatch, masks, quant_reference, reference
+from . import dispatch, masks, quant_reference, reference, sharded
 
 CHOICES = ("auto", "reference", "kernels")
 # Pass 2 of the Mosaic GPU kernel keeps every query row of a (batch, KV head) in shared memory:
@@ -165,9 +165,17 @@ def attend(q, ctx, k_blk, v_blk, blk_mask, stat_rows: Optional[jax.Array] = None
             impl = dispatch.resolve_impl(None, packed=True) if not choice.interpret else impl
         if impl == "reference":
             return quant_reference.attention_quant(q, kc, valid, k_blk, v_blk, blk_mask, stat_rows, pool)
-        return dispatch.scored_attention_quant(q, kc, valid, k_blk, v_blk, masks.dense(blk_mask), stat_rows,
-                                               impl=impl, interpret=choice.interpret, pool=pool)
+
+        def call_quant(q, kc, _, valid, k_blk, v_blk, blk_mask, stat_rows, seq_axis):
+            return dispatch.scored_attention_quant(q, kc, valid, k_blk, v_blk, blk_mask, stat_rows,
+                                                   impl=impl, interpret=choice.interpret, pool=pool)
+        return sharded.run(call_quant, q, kc, None, valid, k_blk, v_blk, masks.dense(blk_mask), stat_rows,
+                           split_seq=False)
     if impl == "reference":
         return reference.attention_any(q, kc, vc, valid, k_blk, v_blk, blk_mask, stat_rows, pool)
-    return dispatch.scored_attention(q, kc, vc, valid, k_blk, v_blk, masks.dense(blk_mask), stat_rows,
-                                     impl=impl, interpret=choice.interpret, pool=pool)
+
+    def call(q, kc, vc, valid, k_blk, v_blk, blk_mask, stat_rows, seq_axis):
+        return dispatch.scored_attention(q, kc, vc, valid, k_blk, v_blk, blk_mask, stat_rows, impl=impl,
+                                         interpret=choice.interpret, pool=pool, seq_axis=seq_axis)
+    return sharded.run(call, q, kc, vc, valid, k_blk, v_blk, masks.dense(blk_mask), stat_rows,
+                       split_seq=pool == "mean" or stat_rows is None)

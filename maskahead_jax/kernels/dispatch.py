@@ -132,13 +132,15 @@ def _pooled_stats(be, q_planes, q_rows, ctx, valid, cpb, fin, w, pool, tile, int
 
 
 def _run(be, q, ctx, valid, cpb, k_blk, v_blk, blk_mask, stat_rows, tile, splits, interpret,
-         s_len, residual=None, pool="mean"):
+         s_len, residual=None, pool="mean", seq_axis=None):
     g = q.shape[2]
     q_rows = splitk.rows(q)  # [B, Hkv, R, D]
     q_planes = splitk.to_planes(q_rows, cpb)  # [B, Hkv, cpb, R, D/cpb]
     part = be.pass1(q_planes, ctx, valid, tile=tile, splits=splits, interpret=interpret)
     if residual is not None:
         part = splitk.concat(part, splitk.partial_jnp(q_rows, *residual))
+    if seq_axis is not None:  # the context is split over devices: every device's splits, merged
+        part = splitk.Partial(*(jax.lax.all_gather(x, seq_axis, axis=2, tiled=True) for x in part))
     fin = splitk.finish(part, q, k_blk, v_blk, blk_mask, stat_rows)
     if stat_rows is None:
         return fin.out, None
@@ -163,9 +165,12 @@ def _check_pool(pool: str) -> None:
 def scored_attention(q, k_ctx, v_ctx, ctx_valid, k_blk, v_blk, blk_mask,
                      stat_rows: Optional[jax.Array] = None, *, impl: Optional[str] = None,
                      interpret=False, tile: Optional[int] = None, splits: Optional[int] = None,
-                     pool: str = "mean"):
+                     pool: str = "mean", seq_axis: Optional[str] = None):
     """Exact attention over [context | block] plus prefix mass and value score (float context);
-    `pool`: how the statistics pool their rows (reference.POOLS, `pool_impl`)."""
+    `pool`: how the statistics pool their rows (reference.POOLS, `pool_impl`). `seq_axis`: inside
+    a shard_map whose devices each hold a slice of the context along this mesh axis
+    (kernels/sharded.py): pass 1 runs on the slice, the softmax states of every slice merge
+    (flash-decoding across devices), the statistics come out for the local slice."""
     _check_pool(pool)
     impl = resolve_impl(impl)
     if stat_rows is not None:
@@ -177,7 +182,7 @@ def scored_attention(q, k_ctx, v_ctx, ctx_valid, k_blk, v_blk, blk_mask,
     tile, splits, n = be.plan(s_len, tile, splits)
     ctx = be.float_ctx(_pad(k_ctx, 2, n), _pad(v_ctx, 2, n))
     return _run(be, q, ctx, _pad(ctx_valid, 2, n, False), 1, k_blk, v_blk, blk_mask, stat_rows,
-                tile, splits, interpret, s_len, pool=pool)
+                tile, splits, interpret, s_len, pool=pool, seq_axis=seq_axis)
 
 
 def scored_attention_quant(q, ctx: quant.QuantKV, ctx_valid, k_blk, v_blk, blk_mask,

@@ -49,6 +49,8 @@ def main():
     ap.add_argument("--new", type=int, default=24)
     ap.add_argument("--chunk", type=int, default=32)
     ap.add_argument("--kv-bytes", action="store_true", help="also report per-device KV bytes")
+    ap.add_argument("--attention", default="reference",
+                    help="GenerationConfig.attention; a kernel backend runs in interpret mode")
     a = ap.parse_args()
     setup(a.devices)
     import jax
@@ -65,9 +67,10 @@ def main():
             q = is_quantized(pname)
             m = tiny_model(fam, num_heads=8, num_kv_heads=4, **(Q_MODEL if q else {}))
             gc = GenerationConfig(max_new_tokens=a.new, prefill_chunk=max(a.chunk, 64) if q else a.chunk,
-                                  stop_at_eos=False)
+                                  stop_at_eos=False, attention=a.attention,
+                                  attention_interpret=a.attention not in ("reference", "auto"))
             pol, why = make_policy(pname)
-            rec = dict(family=fam, policy=pname, mesh=a.mesh, devices=jax.device_count())
+            rec = dict(family=fam, policy=pname, mesh=a.mesh, devices=jax.device_count(), attention=a.attention)
             if why:
                 rec.update(skipped=why)
             else:
