@@ -1,37 +1,27 @@
 """Mosaic GPU kernels (`plgpu.kernel`, Hopper wgmma) of the two-pass scored attention.
 
-Why this backend: in jax 0.10.2 `pl.pallas_call` on GPU defaults to Mosaic GPU and warns that
-this route is deprecated in favour of `plgpu.kernel`; the Pallas Triton backend is deprecated
-from 0.11.0 on.  `plgpu.kernel` is the GPU entry point that neither version deprecates, so it
-is what we use (no warning filters needed).  It targets sm90 (H100/H200).
+Why this backend: `plgpu.kernel` is the GPU entry point no jax version deprecates (0.10.2 warns
+on `pl.pallas_call` routed to Mosaic GPU; Pallas Triton is deprecated from 0.11). sm90 only.
 
-Layout.  One CTA = one warpgroup = 64 query rows of one (batch, KV head) and one KV split
-(grid (B*Hkv, row blocks, splits)); rows R = G*T are zero-padded to a multiple of 64.  KV
-tiles of 64 tokens stream through SMEM with `plgpu.emit_pipeline` (TMA, double buffered).
-QK^T and PV are wgmma with fp32 accumulators in registers; the softmax state lives in the
-pipeline carry.
+Layout. One CTA = one warpgroup = 64 query rows of one (batch, KV head) and one KV split (grid
+(B*Hkv, row blocks, splits)); rows R = G*T zero-padded to a multiple of 64. KV tiles of 64 tokens
+stream through SMEM (`plgpu.emit_pipeline`: TMA, double buffered); QK^T and PV are wgmma with
+fp32 accumulators; the softmax state lives in the pipeline carry.
 
-Packed tiles: the uint8 codes are loaded into registers in the WGMMA layout, split into
-channel planes with shifts/masks, dequantized (keys: the per-channel scale/zero of the
-tile's two 32-token groups, broadcast along tokens; values: the per-token scale/zero of each
-32-channel group, broadcast along channels), cast to float16 (11-bit mantissa, so the
-dequantized tile loses less than bf16 would) and stored to swizzled SMEM as the wgmma B
-operand.  Queries and the probabilities are float16 in that variant; float contexts run
-in their own dtype (bf16 or f16; float32 inputs are cast to bf16).
+Packed tiles: uint8 codes loaded into registers in the WGMMA layout, split into channel planes
+(shifts / masks), dequantized (keys: per-channel scale / zero of the tile's two 32-token groups;
+values: per-token scale / zero of each 32-channel group), cast to float16 (less loss than bf16)
+and stored to swizzled SMEM as the wgmma B operand; queries and probabilities are float16 there.
+Float contexts run in their own dtype (bf16 or f16; float32 inputs are cast to bf16).
 
-Verification status: the kernels lower for CUDA on a CPU host at a model-like shape (the whole
-Mosaic GPU lowering: layouts, wgmma shapes, swizzles, TMA boxes) on jax 0.10.2, 0.11.2 and
-0.12 (tests).  The float ones ran and matched the references on an H200 (jax 0.11.2); the
-packed ones have not run on a GPU yet.  `interpret=True` passes InterpretGPUParams() (a private
-module), but that interpreter cannot execute them (no run_state / layout_cast / plgpu.load
-rules, no transposed wgmma operands), so their numerics need a device run against the jnp
-reference; gpu_triton.py is the packed GPU implementation that CPU tests can execute.
-jax >= 0.11 notes: a scalar (a plane index into a stacked SMEM ref) closed over by the
-pl.run_state accumulator step does not lower ("Shaped arrays must be represented by
-ir.Values"), so each dequantized plane has its own SMEM ref; jax 0.12 refuses TMA copies that
-stride more than 5 dims after tiling, so the per-plane outputs are stored one plane at a time.
-Limits: packed rows need head_dim * bits / 8 >= 32 bytes; pass 2 keeps all R query rows in
-SMEM (R <= 512 at D = 128).
+Verification status: the kernels lower for CUDA on a CPU host at model shapes (layouts, wgmma
+shapes, swizzles, TMA boxes) on jax 0.10.2, 0.11.2 and 0.12 (tests); the float ones ran and
+matched the references on an H200 (jax 0.11.2); the packed ones have not run on a GPU yet, and
+no CPU interpreter executes them (gpu_triton.py is the packed GPU path CPU tests can run).
+jax >= 0.11: each dequantized plane has its own SMEM ref (a plane index closed over by the
+pl.run_state step does not lower); jax 0.12: per-plane output copies (TMA strides <= 5 dims).
+A TMA copy moves <= 256 elements per dimension (pass 2 copies its rows in chunks: _copy_rows).
+Limits: packed rows need head_dim * bits / 8 >= 32 B; pass 2 keeps all R <= 512 rows in SMEM.
 """
 from __future__ import annotations
 
@@ -48,6 +38,7 @@ from .splitk import Partial, default_splits
 
 GROUP = 32
 BLOCK_R = 64  # query rows per warpgroup (the wgmma M)
+TMA_MAX = 256  # a TMA copy moves at most this many elements along each dimension
 DEFAULT_TILE = 64  # KV tokens per pipeline step (two key groups)
 WG = plgpu.Layout.WGMMA
 ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a [64, n] WGMMA array
@@ -90,21 +81,20 @@ def packed_ctx(k_codes, k_scale_p, k_zero_p, v_codes, v_scale, v_zero, bits: int
     return Ctx("packed", (k_codes, k_scale_p, k_zero_p, v_codes, vs_t, vz_t), bits, jnp.float16)
 
 
-def _interpret(interpret):
+def _interpret(interpret):  # True: the (private) Mosaic GPU interpreter's parameters
     if interpret is True:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
         return InterpretGPUParams()
     return interpret or None
 
 
-def _mma_transforms(minor: int, dtype) -> tuple:
+def _mma_transforms(minor: int, dtype) -> tuple:  # tiling + swizzle of a wgmma SMEM operand
     bits = jnp.dtype(dtype).itemsize * 8
     sw = plgpu.find_swizzle(minor * bits)
     return (plgpu.TilingTransform((8, sw * 8 // bits)), plgpu.SwizzleTransform(sw))
 
 
-def _flat(x):
-    """[B, Hkv, ...] -> [B*Hkv, ...]."""
+def _flat(x):  # [B, Hkv, ...] -> [B*Hkv, ...]
     return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
 
 
@@ -317,12 +307,21 @@ def pass1(q_planes, ctx: Ctx, valid, *, tile: int, splits: int, interpret=False)
     return Partial(m, l, acc)
 
 
-def pass2(q_planes, ctx: Ctx, valid, lse, w, centre_p, *, tile: int, interpret=False):
-    """Mass and value score per context key, see tpu.pass2 for the contract.
+def _copy_rows(copies, rp: int, bar) -> int:
+    """GMEM -> SMEM copies of `rp` rows, in chunks of <= TMA_MAX rows; returns the barriers used."""
+    n = 0
+    for src, dst in copies:
+        for c in range(0, rp, TMA_MAX):
+            rows = pl.ds(c, min(TMA_MAX, rp - c))
+            plgpu.copy_gmem_to_smem(src.at[rows], dst.at[rows], bar.at[n])
+            n += 1
+    return n
 
-    Grid (B*Hkv, splits); a CTA keeps all query rows in SMEM and loops over the 64-row
-    blocks for each KV tile, so every tile is read and dequantized once.
-    """
+
+def pass2(q_planes, ctx: Ctx, valid, lse, w, centre_p, *, tile: int, interpret=False):
+    """Mass and value score per context key, see tpu.pass2 for the contract. Grid (B*Hkv,
+    splits); a CTA keeps all query rows in SMEM and loops over the 64-row blocks for each KV
+    tile, so every tile is read and dequantized once."""
     b, h, cpb, r, dp = q_planes.shape
     d = cpb * dp
     s_len = valid.shape[-1]
@@ -339,6 +338,7 @@ def pass2(q_planes, ctx: Ctx, valid, lse, w, centre_p, *, tile: int, interpret=F
     cf = _flat(centre_p.astype(jnp.float32))  # [B*H, cpb, Dp]
     n_arr = len(arrays)
     n_k = 1 if ctx.kind == "float" else 3
+    n_barriers = (cpb + 2) * -(-rp // TMA_MAX) + 1
     in_specs = _tile_specs(ctx, tile, dp, d) + [plgpu.BlockSpec((tile,), lambda t: (t,))]
     out_specs = [plgpu.BlockSpec((tile,), lambda t: (t,))] * 2
 
@@ -349,10 +349,10 @@ def pass2(q_planes, ctx: Ctx, valid, lse, w, centre_p, *, tile: int, interpret=F
         kd_smem, vd_smem = kv_smem[:cpb], kv_smem[cpb:]
         bh, sp = lax.axis_index("bh"), lax.axis_index("sp")
         start = sp * (tps * tile)
-        plgpu.copy_gmem_to_smem(q_ref.at[bh], q_smem, bar.at[0])
-        plgpu.copy_gmem_to_smem(lw_ref.at[bh], lw_smem, bar.at[1])
-        plgpu.copy_gmem_to_smem(cen_ref.at[bh], c_smem, bar.at[2])
-        for i in range(3):
+        n = _copy_rows([(q_ref.at[bh, p], q_smem.at[p]) for p in range(cpb)]
+                       + [(lw_ref.at[bh, j], lw_smem.at[j]) for j in range(2)], rp, bar)
+        plgpu.copy_gmem_to_smem(cen_ref.at[bh], c_smem, bar.at[n])
+        for i in range(n_barriers):
             plgpu.barrier_wait(bar.at[i])
 
         def step(_, *tile_refs):
@@ -391,7 +391,7 @@ def pass2(q_planes, ctx: Ctx, valid, lse, w, centre_p, *, tile: int, interpret=F
     mass, d2 = plgpu.kernel(
         kernel, out_type=out_type, grid=(b * h, splits), grid_names=("bh", "sp"),
         scratch_types=(scratch[0], plgpu.SMEM((2, rp), jnp.float32),
-                       plgpu.SMEM((cpb, dp), jnp.float32), plgpu.Barrier(num_barriers=3),
+                       plgpu.SMEM((cpb, dp), jnp.float32), plgpu.Barrier(num_barriers=n_barriers),
                        *scratch[1:]),
         interpret=_interpret(interpret),
     )(qf, *arrays, vf, lw, cf)
