@@ -81,7 +81,8 @@ def test_percent_capacity_is_exact_at_integers_under_jit():
     import jax.numpy as jnp
     import numpy as np
 
-    from maskahead_jax.policies.eviction import Budget, _guarded
+    from maskahead_jax.policies.budgets import guarded as _guarded
+    from maskahead_jax.policies.eviction import Budget
 
     for pct, seens in ((30.0, [70, 45, 100, 7]), (10.0, [2080, 2036, 100, 9]), (7.0, [100, 300, 14])):
         b = Budget(pct=pct, floor=1)

@@ -22,13 +22,13 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
-from .budgets import _spread, adakv_head_budgets, layer_budgets
+from .budgets import _spread, adakv_head_budgets, guarded, layer_budgets
 from .protocol import PolicyError, StepContext
-from .schedules import BoundedPrefill, Deferred, guarded
+from .schedules import BoundedPrefill, Deferred
 
 
 def floor_percent(pct: float, n):
-    """floor(pct% of n), guarded (`schedules.guarded`): a Python int for an int n, int32 for an array.
+    """floor(pct% of n), guarded (`budgets.guarded`): a Python int for an int n, int32 for an array.
     Every percentage budget (Budget.capacity, MaskKV's per-head budget) is computed here."""
     if isinstance(n, int):
         return math.floor(guarded(pct * n / 100))

@@ -31,18 +31,12 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
+from .budgets import guarded
 from .errors import PolicyError
 
 
 def _none_due(cache) -> jax.Array:
     return jnp.zeros(cache.length.shape, bool)
-
-
-def guarded(x):
-    """x nudged up by a relative 1e-6 before a floor: float32 under jit (and XLA's x / 100 ->
-    x * 0.01) lands a few ulps below an exact integer (30% of 70 -> 20.999998 -> 20), where the
-    released code's Python arithmetic gives 21. Eager and jitted budgets agree with it."""
-    return x * (1.0 + 1e-6) + 1e-6
 
 
 @dataclasses.dataclass(frozen=True)
