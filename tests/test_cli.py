@@ -51,6 +51,12 @@ def test_generate_ids_and_text(capsys):
     assert cli.main(["generate", "--prompt", "what is the pass key ? the pass key is",
                      "--max-new-tokens", "8"]) == 0
     assert isinstance(json.loads(capsys.readouterr().out)["text"], str)
+    # a variant label, as eval's --policies takes it: h2o on the packed 4-bit cache
+    assert cli.main(["generate", "--ids", ",".join(["7"] * 200), "--max-new-tokens", "8", "--policy", "h2o[bits=4]",
+                     "--policy-kw", "capacity_floor=64,recent=32"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["policy"] == "h2o[bits=4]" and out["reduction_final"] > 2.5
+    assert cli.main(["generate", "--ids", "5,6", "--policy", "h2o[bits=4"]) == 2
 
 
 def test_eval_needle_cli(tmp_path, capsys):

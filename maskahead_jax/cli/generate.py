@@ -17,7 +17,8 @@ def add_parser(sub, known: str) -> None:
     src.add_argument("--prompt", help="prompt text (encoded with the model folder's tokenizer)")
     src.add_argument("--ids", help="prompt token ids, comma-separated")
     p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
-    p.add_argument("--policy", default="dense", help=f"KV-cache policy, one of: {known}")
+    p.add_argument("--policy", default="dense", help=f"KV-cache policy, one of: {known}; a variant label such as h2o[bits=4] "
+                   "fixes knobs (as eval's --policies)")
     p.add_argument("--capacity", type=capacity_arg, default=10.0, help="KV capacity, %% of tokens seen")
     p.add_argument("--max-new-tokens", type=pos_int, default=32)
     add_mesh_arg(p)
@@ -28,6 +29,7 @@ def run(args) -> int:
     """Generate for one prompt; prints the text, tokens and KV statistics as JSON."""
     from ..evaluation.datasets import load_tokenizer
     from ..evaluation.policies import takes_budget
+    from ..evaluation.presets import parse_variant
     from ..generate import generate
 
     init_mesh(args)  # before anything touches a JAX backend (multi-process runs)
@@ -38,10 +40,15 @@ def run(args) -> int:
         if not ids:
             raise CLIError("--ids is empty")
     kw = policy_kw_arg(args.policy_kw)
+    try:  # a variant label, as in eval's --policies: h2o[bits=4] = --policy h2o --policy-kw bits=4
+        name, variant = parse_variant(args.policy)
+    except ValueError as e:
+        raise CLIError(str(e)) from e
+    kw.update(variant)
     cfg = model_config(path, args.family, args)
     gen = gen_config(args, args.max_new_tokens)
-    cap = args.capacity if takes_budget(args.policy) else None
-    _, built = build_run_policies(cfg, gen, [args.policy], [cap], kw, args.max_new_tokens, args.preset)
+    cap = args.capacity if takes_budget(name) else None
+    _, built = build_run_policies(cfg, gen, [name], [cap], kw, args.max_new_tokens, args.preset)
     (policy,) = built.values()
     tok = load_tokenizer(path)
     if args.chat and not tok.has_chat_template:
