@@ -94,7 +94,7 @@ def test_attend_tpu_kernel_packed_context_matches_reference(bits):
 
 def test_max_pooled_statistics_by_hand_and_through_any_implementation():
     """pool="max": each key's mass is the largest prefix-softmax probability a selected row (and
-    query head) gives it, by hand in numpy; `stat_pool("max")` makes `attend` compute exactly that
+    query head) gives it, by hand in numpy; `attend(..., pool="max")` computes exactly that
     whatever implementation is chosen (the TPU kernels here, the reference), float and packed."""
     q, kc, vc, valid, kb, vb, blk, rows = _operands(s=64, d=32)
     lg = np.einsum("bhgtd,bhsd->bhgts", np.asarray(q), np.asarray(kc)) / np.sqrt(q.shape[-1])
@@ -119,25 +119,22 @@ def test_max_pooled_statistics_by_hand_and_through_any_implementation():
                                atol=1e-6)
     np.testing.assert_allclose(np.asarray(stats.score), np.asarray(reference.value_score(stats.mass, vc)),
                                rtol=1e-6)
-    with attention.use("pallas_tpu", interpret=True), attention.stat_pool("max"):
-        out, got = attention.attend(q, (kc, vc, valid), kb, vb, blk, rows)
+    with attention.use("pallas_tpu", interpret=True):
+        out, got = attention.attend(q, (kc, vc, valid), kb, vb, blk, rows, pool="max")
     np.testing.assert_allclose(np.asarray(got.mass), want, atol=1e-6)
     np.testing.assert_allclose(np.asarray(out), np.asarray(out_mean), atol=1e-6)  # the output is pooling-free
     packed = quant.quantize_kv(kc, vc, 4)
     _, want_q = quant_reference.attention_quant(q, packed, valid, kb, vb, blk, rows, pool="max")
-    with attention.stat_pool("max"):
-        _, got_q = attention.attend(q, (packed, None, valid), kb, vb, blk, rows)
+    _, got_q = attention.attend(q, (packed, None, valid), kb, vb, blk, rows, pool="max")
     np.testing.assert_allclose(np.asarray(got_q.mass), np.asarray(want_q.mass), atol=1e-6)
     # "pallas_gpu" (Mosaic GPU, whose pass 2 pools by the mean) pools by mean + max on Triton's
     _, want_b = quant_reference.attention_quant(q, packed, valid, kb, vb, blk, rows, pool="mean+max")
-    with attention.use("pallas_gpu", interpret=True), attention.stat_pool("mean+max"):
-        _, got_b = attention.attend(q, (packed, None, valid), kb, vb, blk, rows)
+    with attention.use("pallas_gpu", interpret=True):
+        _, got_b = attention.attend(q, (packed, None, valid), kb, vb, blk, rows, pool="mean+max")
     np.testing.assert_allclose(np.asarray(got_b.mass), np.asarray(want_b.mass), atol=1e-6)
     np.testing.assert_allclose(np.asarray(got_b.score), np.asarray(want_b.score), atol=1e-5)
-    assert attention._POOL.get() == "mean"  # the scope closes
     with pytest.raises(ValueError, match="pool must be one of"):
-        with attention.stat_pool("sum"):
-            pass
+        attention.attend(q, (kc, vc, valid), kb, vb, blk, rows, pool="sum")
 
 
 @pytest.mark.parametrize("policy", ["dense", "maskahead-qa"])

@@ -189,12 +189,12 @@ def test_snapkv_keeps_window_and_max_pooled_top():
 
 def test_herald_pools_a_single_centre_query():
     masked = jnp.asarray([[True] * 8, [False] * 5 + [True] * 3, [False] + [True] * 7])
-    rows = np.asarray(HERALD().stat_rows(masked, jnp.asarray([True, True, True])))
+    rows = np.asarray(HERALD().stats_request(masked, jnp.asarray([True, True, True])).rows)
     assert rows.sum(1).tolist() == [1, 1, 1]
     # released SelectorConfig.query_indices "middle": the masked position closest to the block
     # centre 3.5, the lower on a tie (it was the lower median of the masked positions: 3, 6, 4)
     assert rows.argmax(1).tolist() == [3, 5, 3]
-    assert not HERALD().stat_rows(masked, jnp.asarray([False, True, True]))[0].any()
+    assert not HERALD().stats_request(masked, jnp.asarray([False, True, True])).rows[0].any()
 
 
 def test_invalid_settings_are_clear_errors(model):

@@ -37,6 +37,7 @@ def test_question_lookahead_probe_is_lookahead_plus_weighted_question_mass():
     L, B, H, N = 2, 2, 1, 12
 
     def forward(cache, toks, pos, mask, rows):
+        rows = getattr(rows, "rows", rows)  # a StatsRequest or rows
         calls.append(tuple(np.asarray(a) for a in (toks, pos, mask, rows)))
         # a deterministic mass that depends on what was forwarded
         base = np.asarray(toks).sum(1) + 3 * np.asarray(pos).sum(1) + np.asarray(rows).sum(1)
@@ -136,14 +137,12 @@ def test_hidden_question_probe_reads_no_cached_copy_of_the_question():
 
 def test_question_pool_max_reaches_the_question_forwards_only():
     """question_pool="max": bounded prefill's Question probe and the block probe's question
-    forward run inside stat_pool("max") (reference.prefix_mass's max over rows); the lookahead's
-    forward keeps the mean."""
-    from maskahead_jax.kernels import attention
-
+    forward ask for max pooling in their StatsRequest (reference.prefix_mass's max over rows);
+    the lookahead's forward keeps the mean (rows alone, or a request pooling by the mean)."""
     pools = []
 
-    def forward(cache, toks, pos, mask, rows):
-        pools.append(attention._POOL.get())
+    def forward(cache, toks, pos, mask, stats):
+        pools.append(getattr(stats, "pool", "mean"))
         return jnp.zeros((1, 2, 1, 8), jnp.float32)
 
     ctx = StepContext(forward=forward, prompt=jnp.zeros((2, 20), jnp.int32), plen=jnp.asarray([20, 13]),
@@ -157,7 +156,6 @@ def test_question_pool_max_reaches_the_question_forwards_only():
     dataclasses.replace(ev.schedule.probe, with_masks=True).mass(None, ctx)
     QuestionAwareMaskAhead(**SMALL).eviction.schedule.probe.mass(None, ctx)
     assert pools == ["max", "mean", "max", "mean", "max", "mean", "mean"]
-    assert attention._POOL.get() == "mean"
 
 
 def test_question_probe_reads_a_draft_in_its_answer_blocks():
@@ -167,6 +165,7 @@ def test_question_probe_reads_a_draft_in_its_answer_blocks():
     calls = []
 
     def forward(cache, toks, pos, mask, rows):
+        rows = getattr(rows, "rows", rows)  # a StatsRequest or rows
         calls.append((np.asarray(toks), np.asarray(pos), np.asarray(rows)))
         return jnp.zeros((1, 2, 1, 8), jnp.float32)
 

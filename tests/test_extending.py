@@ -31,7 +31,7 @@ def test_keynorm_example_registers_runs_and_keeps_the_largest_keys(tmp_path, mon
     assert "keynorm" in names()
     pol = make("keynorm", 10)
     assert type(pol).__name__ == "KeyNorm" and pol.capacity_pct == 10.0
-    assert pol.stat_rows(jnp.ones((1, 4), bool), jnp.ones((1,), bool)) is None  # no statistics
+    assert pol.stats_request(jnp.ones((1, 4), bool), jnp.ones((1,), bool)) is None  # no statistics
 
     # its scorer ranks by key norm: the largest keys survive besides the forced ones
     from maskahead_jax.cache import empty

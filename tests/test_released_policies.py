@@ -15,7 +15,7 @@ import pytest
 
 from maskahead_jax.config import GenerationConfig
 from maskahead_jax.generate import generate
-from maskahead_jax.policies import H2O, HERALD, MaskAhead, Policy, SnapKV, StreamingLLM, make
+from maskahead_jax.policies import H2O, HERALD, MaskAhead, Policy, SnapKV, StatsRequest, StreamingLLM, make
 from maskahead_jax.policies.selection import centre_rows
 from released_reference import _ctx, _hand_cache, _kept, _row, np_softmax, released_middle, released_survivors
 from tiny import tiny_model
@@ -66,8 +66,8 @@ def test_h2o_accumulates_queries_times_mass_at_blocks_and_prefill_chunks():
     c = pol.on_prefill_chunk(c, _ctx(n, start=jnp.asarray([0]), mass=_row(a_first), **chunk))  # unobserved
     want = 5 * a_blk + 8 * a_chunk
     np.testing.assert_allclose(np.asarray(c.acc)[0, 0, 0], want, rtol=1e-5)
-    assert pol.prefill_stat_rows(jnp.ones((1, 8), bool)) is not None
-    assert MaskAhead().prefill_stat_rows(jnp.ones((1, 8), bool)) is None  # MaskAhead computes none
+    assert pol.prefill_stats_request(jnp.ones((1, 8), bool)).mass
+    assert MaskAhead().prefill_stats_request(jnp.ones((1, 8), bool)) is None  # MaskAhead computes none
 
 
 # ----------------------------------------------------------------------------- item 3: timing
@@ -122,6 +122,7 @@ def test_snapkv_compresses_after_admitting_the_final_chunk():
     seen = {}
 
     def forward(cache, tokens, positions, mask, rows):
+        rows = getattr(rows, "rows", rows)  # a StatsRequest or rows
         seen.update(positions=np.asarray(positions), mask=np.asarray(mask), rows=np.asarray(rows))
         return _row(mass)
 
@@ -165,8 +166,8 @@ RECORD: list = []
 class _Recorder(Policy):
     name = "recorder"
 
-    def prefill_stat_rows(self, valid):
-        return valid
+    def prefill_stats_request(self, valid):
+        return StatsRequest(valid)
 
     def on_prefill_chunk(self, cache, ctx):
         RECORD.append(("chunk", np.asarray(ctx.start), np.asarray(ctx.appended), np.asarray(ctx.mass),

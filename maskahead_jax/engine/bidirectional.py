@@ -17,7 +17,7 @@ from .. import memory
 from ..cache import KVCache
 from ..decoding import commit, shift_logits
 from ..kernels import masks, reference
-from ..model import Context, Segment, lm_head, model_step
+from ..model import Context, Segment, StatsRequest, lm_head, model_step
 from ..model.decoder import project_qkv
 from ..sharding import constrain_cache
 from .state import dense_segments, full_mask, row_take
@@ -136,7 +136,7 @@ def _vote_fn(params, cfg, prompt, plen, rpos, resp0, cache):
             toks = jnp.take_along_axis(prompt, pos, axis=1)
         t = toks.shape[1]
         return model_step(params, cfg, toks, pos, jnp.zeros((b, t, t), bool), [Segment(0, L, ctx)],
-                          rows).mass
+                          StatsRequest(rows)).mass
 
     return vote
 

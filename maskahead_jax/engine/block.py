@@ -1,9 +1,9 @@
 """One block of block-causal decoding: step 0 -> the policy's hook -> denoising steps -> commit
 -> the policy's end-of-block hook.
 
-Step 0 forwards the block over the whole cache (exact attention) and, when the policy asks
-(`stat_rows`), returns every layer's prefix mass and value score (and, for `query_stat_rows`,
-the pre-RoPE query moments). The policy's `on_block` then updates its state, chooses what the
+Step 0 forwards the block over the whole cache (exact attention) and answers the policy's
+`stats_request` (every layer's pooled prefix mass and value score, the pre-RoPE query moments,
+the block's own K/V: model/stats.py). The policy's `on_block` then updates its state, chooses what the
 later steps read and evicts when due (its probes run through `ctx.forward`). The denoising
 steps read that selection; the commit forward appends the finished block's K/V, the peak is
 taken, and `after_commit` may evict (the baselines that evict at the end of a block).
@@ -15,9 +15,9 @@ import jax.numpy as jnp
 
 from ..decoding import commit, shift_logits
 from ..model import Segment, lm_head, model_step
-from ..policies.protocol import BlockResult, Policy
+from ..policies.protocol import BlockResult
 from ..sharding import constrain_cache
-from .state import BlockState, dense_bytes, dense_segments, full_mask, rope_last
+from .state import BlockState, answer, dense_bytes, dense_segments, full_mask
 
 
 def _segments(cache, selection, num_layers):
@@ -39,23 +39,20 @@ def _step0(params, cfg, gen, policy, st: BlockState, x, pos, m0, active, ctx):
     (x, key, BlockResult, the loop's first step, ctx with the per-block fields)."""
     b, bs, L, mask_id = x.shape[0], gen.block_size, cfg.num_layers, cfg.mask_token_id
     cache, start = st.cache, st.start
-    rows = policy.stat_rows(x == mask_id, active)
+    req = policy.stats_request(x == mask_id, active)
     ctx = ctx._replace(active=active, due=st.due, tokens=x, start=start, generated=st.out)
-    # A policy that reads nothing at step 0 and keeps the base on_block (the dense cache) on a
-    # cache that keeps its capacity: step 0 is the denoising loop's first iteration (one traced
+    # A policy that reads nothing at step 0 and does not act there (the dense cache) on a cache
+    # that keeps its capacity: step 0 is the denoising loop's first iteration (one traced
     # forward per block instead of two; the same keys, commits and forwards).
-    plain = rows is None and type(policy).on_block is Policy.on_block and cache.capacity == ctx.capacity
+    plain = req is None and not policy.acts_at_step0 and cache.capacity == ctx.capacity
     if plain:
         res = BlockResult(cache, None, jnp.bool_(False), jnp.int32(0))
         step0, key = jnp.int32(0), st.key
     else:
         key, k0 = jax.random.split(st.key)
-        qrows = None if rows is None else policy.query_stat_rows(rows)
-        out0 = model_step(params, cfg, x, pos, full_mask(b, bs), dense_segments(cache, L), rows, qrows)
+        out0 = model_step(params, cfg, x, pos, full_mask(b, bs), dense_segments(cache, L), req)
         x = commit(x, _logits_of(params, cfg, st.prev, out0.hidden), jnp.int32(0), m0, active, gen, mask_id, k0)
-        res = policy.on_block(cache, ctx._replace(mass=out0.mass, score=out0.score, rows=rows,
-                                                  queries=out0.queries, block_kv=(out0.k, out0.v),
-                                                  rope=rope_last(cfg, start + bs - 1)))
+        res = policy.on_block(cache, ctx._replace(**answer(cfg, req, out0, start + bs - 1)))
         step0 = jnp.int32(1)
     return x, key, res, step0, ctx
 

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import memory
-from ..model import Segment, model_step
+from ..model import Segment, StatsRequest, model_step
 from ..model.layers import rope_tables
 
 
@@ -44,12 +44,30 @@ def row_take(a, idx):
 
 
 def probe_forward(params, cfg):
-    """The narrow forward a policy's probes call: (cache, tokens, positions, mask, rows) -> the
-    pooled attention mass [L, B, Hkv, N] over the whole cache; nothing is written."""
-    def forward(cache, tokens, positions, mask, rows):
+    """The narrow forward a policy's probes call: (cache, tokens, positions, mask, stats) -> the
+    attention mass [L, B, Hkv, N] over the whole cache pooled as the StatsRequest `stats` says
+    (or over rows [B, T] by the mean); nothing is written."""
+    def forward(cache, tokens, positions, mask, stats):
+        req = stats if isinstance(stats, StatsRequest) else StatsRequest(stats)
         return model_step(params, cfg, tokens, positions, mask,
-                          dense_segments(cache, cfg.num_layers), rows).mass
+                          dense_segments(cache, cfg.num_layers), req._replace(mass=True, moments=False)).mass
     return forward
+
+
+def answer(cfg, req, out, last) -> dict:
+    """The StepContext fields answering `req` (a StatsRequest or None) from the forward's
+    output `out` (model.StepOutput) whose last position is `last` [B]: rows, mass and score,
+    query moments with the RoPE phase (ctx.rope), the block's own K/V."""
+    if req is None:
+        return {}
+    got = dict(rows=req.rows)
+    if req.mass:
+        got.update(mass=out.mass, score=out.score)
+    if req.moments:
+        got.update(queries=out.queries, rope=rope_last(cfg, last))
+    if req.block_kv:
+        got.update(block_kv=(out.k, out.v))
+    return got
 
 
 def rope_last(cfg, last) -> tuple:

@@ -88,26 +88,6 @@ def current() -> Choice:
     return _CURRENT.get()
 
 
-# How the statistics pool their query rows (reference.pool_rows): "mean" everywhere but inside
-# `stat_pool(...)`, which a probe opens around its forward. A trace-time setting like `use`.
-# The kernels pool by every rule (dispatch: a non-mean pooling's pass 2 keeps each key's sum and
-# max over the rows, and a third pass measures the values' distance to the pooled centre); on a
-# GPU those forwards take the Pallas Triton kernels, the Mosaic GPU pass 2 pooling by the mean.
-_POOL: contextvars.ContextVar[str] = contextvars.ContextVar("maskahead_stat_pool", default="mean")
-
-
-@contextlib.contextmanager
-def stat_pool(pool: str):
-    """Pool the statistics of the forwards traced inside by `pool` (one of reference.POOLS)."""
-    if pool not in reference.POOLS:
-        raise ValueError(f"pool must be one of {reference.POOLS}, got {pool!r}")
-    token = _POOL.set(pool)
-    try:
-        yield
-    finally:
-        _POOL.reset(token)
-
-
 # `jax.nn.dot_product_attention`'s implementation for a block that reads no context: "xla" (the
 # default) or "cudnn" on a GPU (tried at trace time; XLA when cuDNN refuses the shape). cuDNN is
 # opt-in until it has run on a device here: a compile-time cuDNN failure would fail the generate.
@@ -134,14 +114,20 @@ def fused_block_attention(q, k_blk, v_blk, blk_mask):
     return out.reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4).astype(q.dtype)
 
 
-def attend(q, ctx, k_blk, v_blk, blk_mask, stat_rows: Optional[jax.Array] = None):
+def attend(q, ctx, k_blk, v_blk, blk_mask, stat_rows: Optional[jax.Array] = None, pool: str = "mean"):
     """Attention of one layer's block over [context | block] with the current implementation.
 
     q [B, Hkv, G, T, D]; ctx None or (k, v, valid) with k/v [B, Hkv, S, D] float or k a
     QuantKV and v None (packed); block k/v [B, Hkv, T, D]; blk_mask [B, T, T]; stat_rows [B, T]
-    (pool the step-0 statistics over these rows). Returns (out [B, Hkv, G, T, D], ScoredStats
-    or None), the contract of `reference.attention`.
+    (pool the step-0 statistics over these rows), pooled by `pool` (reference.POOLS: the
+    kernels pool by every rule; dispatch: a non-mean pooling's pass 2 keeps each key's sum and
+    max over the rows, and a third pass measures the values' distance to the pooled centre; on
+    a GPU those forwards take the Pallas Triton kernels, the Mosaic GPU pass 2 pooling by the
+    mean). Returns (out [B, Hkv, G, T, D], ScoredStats or None), the contract of
+    `reference.attention`.
     """
+    if pool not in reference.POOLS:
+        raise ValueError(f"pool must be one of {reference.POOLS}, got {pool!r}")
     choice = current()
     if ctx is None:
         # a long pass with no context (the bidirectional full pass, an uncached forward) runs the
@@ -154,7 +140,7 @@ def attend(q, ctx, k_blk, v_blk, blk_mask, stat_rows: Optional[jax.Array] = None
     kc, vc, valid = ctx
     packed = isinstance(kc, quant.QuantKV)
     impl = choice.impl
-    pool = _POOL.get() if stat_rows is not None else "mean"
+    pool = pool if stat_rows is not None else "mean"
     if impl != "reference" and pool != "mean":
         impl = dispatch.pool_impl(impl, pool)  # Mosaic GPU pools by the mean only: Triton's
     if impl != "reference" and stat_rows is not None and impl == "pallas_gpu" \

@@ -5,3 +5,4 @@ from .decoder import (Context, Segment, StepOutput, block_causal_mask, embed, fo
 from .init import init_params, param_shapes
 from .layers import apply_rope, rms_norm, rope_tables, swiglu
 from .moe import moe_mlp, route
+from .stats import StatsRequest

@@ -31,6 +31,7 @@ from ..kernels import masks
 from ..kernels.attention import attend
 from .layers import apply_rope, rms_norm, rope_tables, swiglu
 from .moe import moe_mlp
+from .stats import StatsRequest
 
 
 class Context(NamedTuple):
@@ -60,7 +61,7 @@ class StepOutput(NamedTuple):
     mass: Optional[jax.Array]  # [L, B, Hkv, S] when stats were requested
     score: Optional[jax.Array]  # [L, B, Hkv, S]
     # (mean q [L, B, Hkv, G, Dh], mean q q^T [L, B, Hkv, G, Dh, Dh]) of the pre-RoPE queries of
-    # `query_rows`, per query head, when requested (float32)
+    # the StatsRequest's rows, per query head, when requested (float32)
     queries: Optional[tuple] = None
 
 
@@ -107,30 +108,31 @@ def output_projection(p, out, cfg: ModelConfig):
     return jnp.einsum("bthk,hkd->btd", out, p["wo"])
 
 
-def attention_sublayer(p, x, cos, sin, cfg: ModelConfig, ctx, blk_mask, stat_rows=None):
+def attention_sublayer(p, x, cos, sin, cfg: ModelConfig, ctx, blk_mask, stat_rows=None, pool: str = "mean"):
     """The attention sub-layer of one layer (pre-norm, before the residual add).
 
     ctx: None, or (k, v, valid) float [B, Hkv, S, Dh], or a packed QuantKV context (v None).
+    stat_rows [B, T] / pool: the statistics to pool (StatsRequest.rows / .pool), or None.
     Returns (output [B, T, D], the block's keys/values [B, Hkv, T, Dh] after RoPE, stats)."""
     qg, kb, vb = project_qkv(p, x, cos, sin, cfg)
     # the implementation (reference jnp / Pallas kernels) is the trace's choice: kernels.attention
-    out, stats = attend(qg, ctx, kb, vb, blk_mask, stat_rows)
+    out, stats = attend(qg, ctx, kb, vb, blk_mask, stat_rows, pool)
     return output_projection(p, out, cfg), kb, vb, stats
 
 
-def _attention_block(p, x, cos, sin, cfg: ModelConfig, ctx, blk_mask, stat_rows):
-    out, kb, vb, stats = attention_sublayer(p, x, cos, sin, cfg, ctx, blk_mask, stat_rows)
+def _attention_block(p, x, cos, sin, cfg: ModelConfig, ctx, blk_mask, stat_rows, pool):
+    out, kb, vb, stats = attention_sublayer(p, x, cos, sin, cfg, ctx, blk_mask, stat_rows, pool)
     return x + out, kb, vb, stats
 
 
-def _layer(cfg: ModelConfig, moe: bool, with_stats: bool, query_rows=None, layer_hook=None):
+def _layer(cfg: ModelConfig, moe: bool, with_stats: bool, moments: bool, pool: str, layer_hook=None):
     def body(carry, xs):
         x, cos, sin, blk_mask, stat_rows = carry
         p, ctx, layer = xs
         x_in = x
-        qm = () if query_rows is None else query_moments(p, x, cfg, query_rows)
+        qm = query_moments(p, x, cfg, stat_rows) if moments else ()
         x, kb, vb, stats = _attention_block(p, x, cos, sin, cfg, ctx, blk_mask,
-                                            stat_rows if with_stats else None)
+                                            stat_rows if with_stats else None, pool)
         h = rms_norm(x, p["mlp_norm"], cfg.rms_eps)
         x = x + (moe_mlp(p["moe"], h, cfg) if moe else swiglu(p["mlp"], h))
         # a layer hook keeps what it makes of the layer's K/V instead of the K/V themselves
@@ -155,10 +157,11 @@ def _pieces(cfg: ModelConfig, segments: Sequence[Segment]):
 
 
 def run_layers(params, cfg: ModelConfig, x, positions, blk_mask, segments: Sequence[Segment],
-               stat_rows: Optional[jax.Array] = None, query_rows: Optional[jax.Array] = None,
-               layer_hook=None) -> StepOutput:
-    """Run every layer over the block x [B, T, D]; segments cover [0, L) in order. query_rows
-    [B, T] (bool): also return every layer's pre-RoPE query moments over those rows.
+               stats: Optional[StatsRequest] = None, layer_hook=None) -> StepOutput:
+    """Run every layer over the block x [B, T, D]; segments cover [0, L) in order. stats: what
+    the forward also reports (model/stats.py): every layer's pooled prefix mass and value score
+    (StepOutput.mass / .score; every segment then needs a context), the pre-RoPE query moments
+    of the rows (StepOutput.queries).
 
     layer_hook(layer, p, x_in, cos, sin, k, v) -> pytree: called inside each layer with its
     index (traced), parameters, input hidden state and the block's K/V [B, Hkv, T, Dh]; what it
@@ -169,9 +172,12 @@ def run_layers(params, cfg: ModelConfig, x, positions, blk_mask, segments: Seque
         raise ValueError(f"segments must tile [0, {cfg.num_layers}) in order: {segments}")
     cos, sin = rope_tables(positions, cfg)
     nd = cfg.num_dense_mlp_layers
-    with_stats = stat_rows is not None
-    if stat_rows is None:
-        stat_rows = jnp.zeros(x.shape[:2], bool)
+    if stats is not None:
+        stats.checked()
+    with_stats = stats is not None and stats.mass
+    moments = stats is not None and stats.moments
+    pool = "mean" if stats is None else stats.pool
+    stat_rows = jnp.zeros(x.shape[:2], bool) if stats is None else stats.rows
     ks, vs, ms, ss, q1, q2 = [], [], [], [], [], []
     for a, b, seg in _pieces(cfg, segments):
         moe = a >= nd
@@ -180,12 +186,12 @@ def run_layers(params, cfg: ModelConfig, x, positions, blk_mask, segments: Seque
         p = _slice(stack, a - off, b - off)
         ctx = None if seg.ctx is None else Context(*_slice(tuple(seg.ctx), a - seg.start, b - seg.start))
         seg_stats = with_stats and ctx is not None
-        body = _layer(cfg, moe, seg_stats, query_rows, layer_hook)
+        body = _layer(cfg, moe, seg_stats, moments, pool, layer_hook)
         (x, *_), ys = jax.lax.scan(body, (x, cos, sin, blk_mask, stat_rows),
                                    (p, ctx, jnp.arange(a, b, dtype=jnp.int32)))
         ks.append(ys[0])
         vs.append(ys[1])
-        if query_rows is not None:
+        if moments:
             q1.append(ys[-2])
             q2.append(ys[-1])
         if with_stats:
@@ -197,7 +203,7 @@ def run_layers(params, cfg: ModelConfig, x, positions, blk_mask, segments: Seque
     h = rms_norm(x, params["final_norm"], cfg.rms_eps)
     cat = lambda xs: xs[0] if len(xs) == 1 else jax.tree_util.tree_map(
         lambda *a: jnp.concatenate(a, axis=0), *xs)
-    queries = (cat(q1), cat(q2)) if query_rows is not None else None
+    queries = (cat(q1), cat(q2)) if moments else None
     k, v = cat(ks), (None if layer_hook is not None else cat(vs))
     if with_stats:
         return StepOutput(h, k, v, cat(ms), cat(ss), queries)
@@ -215,10 +221,9 @@ def lm_head(params, cfg: ModelConfig, h: jax.Array) -> jax.Array:
 
 
 def model_step(params, cfg: ModelConfig, tokens, positions, blk_mask, segments,
-               stat_rows=None, query_rows=None, layer_hook=None) -> StepOutput:
+               stats: Optional[StatsRequest] = None, layer_hook=None) -> StepOutput:
     """Embed tokens [B, T] at positions [B, T] and run all layers (see run_layers)."""
-    return run_layers(params, cfg, embed(params, tokens), positions, blk_mask, segments, stat_rows,
-                      query_rows, layer_hook)
+    return run_layers(params, cfg, embed(params, tokens), positions, blk_mask, segments, stats, layer_hook)
 
 
 def block_causal_mask(positions: jax.Array, block_size: int) -> jax.Array:

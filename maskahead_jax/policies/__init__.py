@@ -6,7 +6,7 @@ scorers.py, a probe from probes.py) through composed.py. `make(name, capacity_pc
 **knobs)` builds one by name from the one registry (registry.py); `register` adds yours
 (docs/extending.md).
 """
-from .protocol import BlockResult, Dense, Policy, PolicyError, StepContext
+from .protocol import BlockResult, Dense, Policy, PolicyError, StatsRequest, StepContext
 from .registry import knobs, make, names, register, takes_budget
 from .composed import ComposedPolicy
 from .maskahead import BoundedPrefillMaskAhead, DapQ, MaskAhead, QuestionAwareMaskAhead
@@ -44,5 +44,5 @@ register("adakv", AdaKV, budget_field="budget_pct", entries_field="budget_per_he
 
 __all__ = ["AdaKV", "BlockResult", "BoundedPrefillMaskAhead", "BoundedPrefillStreamingLLM", "CAOTE", "DraftedMaskAhead", "Float", "Packed",
            "ComposedPolicy", "DapQ", "Dense", "ExpectedAttention", "H2O", "HERALD", "MaskAhead", "MaskKV", "Policy", "PolicyError",
-           "PyramidKV", "QuestionAwareMaskAhead", "SnapKV", "StepContext", "StreamingLLM", "knobs", "make", "names",
+           "PyramidKV", "QuestionAwareMaskAhead", "SnapKV", "StatsRequest", "StepContext", "StreamingLLM", "knobs", "make", "names",
            "register", "takes_budget"]

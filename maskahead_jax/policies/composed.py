@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from .. import memory
 
 from .eviction import Eviction
-from .protocol import BlockResult, Policy, StepContext
+from .protocol import BlockResult, Policy, StatsRequest, StepContext
 from .selection import Selector, masked_rows
 
 
@@ -60,21 +60,24 @@ class ComposedPolicy(Policy):
         sel, dtype = self.selector, self.storage.compact_dtype
         return sel if sel is None or dtype is None else dataclasses.replace(sel, compact_dtype=dtype)
 
-    def stat_rows(self, masked, active):
+    def stats_request(self, masked, active) -> Optional[StatsRequest]:
+        """Step 0: the selector's rows (or the masked ones) when the selector or the scorer reads
+        the mass, with the query moments when the scorer reads them."""
         sel, ev = self.selector, self.eviction
-        if sel is not None:
-            return sel.stat_rows(masked, active)
-        if ev is not None and (ev.scorer.reads_mass or ev.scorer.reads_queries):
-            return masked_rows(masked, active)
-        return None  # nobody reads step-0 statistics: step 0 computes none
+        mass = sel is not None or (ev is not None and ev.scorer.reads_mass)
+        moments = ev is not None and ev.scorer.reads_queries
+        if not (mass or moments):
+            return None  # nobody reads step-0 statistics: step 0 computes none
+        rows = sel.stat_rows(masked, active) if sel is not None else masked_rows(masked, active)
+        return StatsRequest(rows, mass=mass, moments=moments)
 
-    def prefill_stat_rows(self, valid):
+    def prefill_stats_request(self, valid) -> Optional[StatsRequest]:
+        """Each prefill chunk: its valid queries' mass when the scorer observes the prefill, their
+        moments when it reads queries."""
         ev = self.eviction
-        return valid if ev is not None and ev.scorer.observes_prefill else None
-
-    def query_stat_rows(self, rows):
-        ev = self.eviction
-        return rows if ev is not None and ev.scorer.reads_queries else None
+        mass = ev is not None and ev.scorer.observes_prefill
+        moments = ev is not None and ev.scorer.reads_queries
+        return StatsRequest(valid, mass=mass, moments=moments) if mass or moments else None
 
     def on_prefill_chunk(self, cache, ctx: StepContext):
         ev = self.eviction

@@ -64,7 +64,7 @@ from ..cache import KVCache
 from .budgets import (_xp, adakv_head_budgets, boundary_layers, head_budgets,  # noqa: F401 (public here too)
                       layer_budgets, pyramid_budgets)
 from .eviction import floor_percent
-from .protocol import BlockResult, Policy, PolicyError, StepContext
+from .protocol import BlockResult, Policy, PolicyError, StatsRequest, StepContext
 
 LAYER_ALLOCS = ("boundary", "pyramid", "uniform")
 HEAD_ALLOCS = ("preference", "adakv", "uniform")
@@ -308,6 +308,10 @@ class MaskKV(Policy):
     def on_prompt(self, cache: KVCache, vote, plen) -> KVCache:
         """Bidirectional families: one vote at the first step, the prompt cut once."""
         return self.compress_prompt(cache, vote() if self.voters == "mask" else vote(self.window), plen)
+
+    def stats_request(self, masked, active) -> Optional[StatsRequest]:
+        """Block-causal families, mask voting: step 0 hands over the block's own K/V (block_vote)."""
+        return StatsRequest(masked & active[:, None], mass=False, block_kv=True) if self.voters == "mask" else None
 
     def on_block(self, cache, ctx: StepContext) -> BlockResult:
         """Block-causal families: at step 0 of the first block, vote over the stored prompt

@@ -31,9 +31,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from ..kernels.attention import stat_pool
 from ..model import block_causal_mask
-from .protocol import StepContext
+from .protocol import StatsRequest, StepContext
 
 FILLS = ("mask", "random", "dapq")
 
@@ -167,10 +166,10 @@ class Question:
             parity = jnp.arange(n_ans)[None] % 2
             answers = [jnp.where(parity == p, ctx.mask_id, answer) for p in (0, 1)]
         mass = 0.0
-        with stat_pool(self.pool):
-            for ans in answers:
-                toks = jnp.concatenate([qtok, ans], 1)
-                mass = mass + ctx.forward(cache, toks, pos, _full(b, toks.shape[1]), jnp.ones(toks.shape, bool))
+        for ans in answers:
+            toks = jnp.concatenate([qtok, ans], 1)
+            req = StatsRequest(jnp.ones(toks.shape, bool), pool=self.pool)
+            mass = mass + ctx.forward(cache, toks, pos, _full(b, toks.shape[1]), req)
         return mass * (m / len(answers))
 
     def span(self, cache, ctx: StepContext) -> jax.Array:
@@ -203,8 +202,7 @@ class QuestionLookahead:
         q, b = self.tokens, ctx.plen.shape[0]
         qtok, qpos = _question(ctx, q)
         rows = jnp.broadcast_to(ctx.active[:, None], (b, q))
-        with stat_pool(self.pool):
-            return ctx.forward(cache, qtok, qpos, _full(b, q), rows)
+        return ctx.forward(cache, qtok, qpos, _full(b, q), StatsRequest(rows, pool=self.pool))
 
     def mass(self, cache, ctx: StepContext) -> jax.Array:
         return Lookahead(self.blocks).mass(cache, ctx) + self.weight * self.question_mass(cache, ctx)

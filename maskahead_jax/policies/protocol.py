@@ -11,18 +11,20 @@ A policy is a frozen, hashable dataclass (a static jit argument). The engine
   plan(prompt_cap, total_cap, block, chunk) -> (prefill capacity, decode capacity), static
   empty_cache(L, B, Hkv, N, D, dtype, group_size=1)  the cache this policy stores into (its
                                          `storage` part's: policies/storage.py, Float or Packed)
-  stat_rows(masked, active)              [B, T] step-0 queries pooled into the statistics, or
-                                         None: step 0 computes no statistics
-  prefill_stat_rows(valid)               [B, T] prefill-chunk queries pooled into statistics over
-                                         the cache before the chunk (ctx.mass), or None
-  query_stat_rows(rows)                  [B, T] rows whose pre-RoPE query moments the forward
-                                         returns (ctx.queries; Expected Attention), or None
+  stats_request(masked, active)          what step 0's forward reports (model.StatsRequest: the
+                                         rows pooled, mass and score, pooled how, pre-RoPE query
+                                         moments, the block's own K/V), or None: none
+  prefill_stats_request(valid)           the same for each prefill chunk's forward over the cache
+                                         before the chunk (ctx.mass, ctx.queries), or None
+  acts_at_step0                          (property) on_block does more than keep the whole cache:
+                                         step 0 is a forward of its own (False: Dense, whose step 0
+                                         is the denoising loop's first iteration)
   on_prefill_chunk(cache, ctx)           after each stored prefill chunk (ctx.appended entries)
   due_after_prefill(cache)               [B] a compression is due at the first block's step 0
   on_block(cache, ctx) -> BlockResult    at step 0 of every block: update state, choose what the
                                          block reads, evict when `ctx.due`, with probes it builds
-                                         itself through `ctx.forward` (ctx.block_kv: the block's
-                                         own step-0 K/V, for a joint-softmax vote: MaskKV)
+                                         itself through `ctx.forward`; ctx carries what its
+                                         `stats_request` asked for
   after_commit(cache, ctx) -> (cache, evicted)  after the commit forward's append (baselines
                                          that evict at the end of a block)
   due_after_block(blocks_done, cache)    [B] a compression is due at the next block's step 0
@@ -55,15 +57,17 @@ import jax.numpy as jnp
 
 from .. import memory
 from ..cache import Cache, KVCache
+from ..model.stats import StatsRequest
 from .errors import PolicyError
 from .storage import Float, Storage
 
 
 
 
-# (cache, tokens [B, T], positions [B, T], mask [B, T, T] bool, rows [B, T] bool)
-#   -> mass [L, B, Hkv, N]: a forward over the whole (dense) cache that writes nothing and returns
-#   each cache entry's softmax mass pooled over `rows` and the GQA group (the probes' primitive)
+# (cache, tokens [B, T], positions [B, T], mask [B, T, T] bool, stats: StatsRequest or rows [B, T]
+#   bool) -> mass [L, B, Hkv, N]: a forward over the whole (dense) cache that writes nothing and
+#   returns each cache entry's softmax mass pooled over the request's rows and the GQA group, by
+#   its `pool` (rows alone: by the mean) (the probes' primitive)
 Forward = Callable[..., jax.Array]
 
 
@@ -82,7 +86,7 @@ class StepContext(NamedTuple):
     first: bool = False  # static: the first block after the prompt
     tokens: Optional[jax.Array] = None  # [B, bs] the block at step 0
     start: Optional[jax.Array] = None  # [B] the block's first position
-    mass: Optional[jax.Array] = None  # [L, B, Hkv, N] step-0 prefix mass (stat_rows pooled)
+    mass: Optional[jax.Array] = None  # [L, B, Hkv, N] step-0 prefix mass (the request's rows pooled)
     score: Optional[jax.Array] = None  # [L, B, Hkv, N] step-0 value score a_i * ||v_i - c||
     rows: Optional[jax.Array] = None  # [B, T] the queries pooled into `mass` (and `queries`)
     queries: Optional[tuple] = None  # (m1 [L,B,Hkv,G,D], m2 [L,B,Hkv,G,D,D]) pre-RoPE query moments
@@ -149,14 +153,17 @@ class Policy:
                     group_size: int = 1) -> Cache:
         return self.storage.empty(num_layers, batch, kv_heads, capacity, head_dim, dtype)
 
-    def stat_rows(self, masked, active):
+    def stats_request(self, masked, active) -> Optional[StatsRequest]:
         return None
 
-    def prefill_stat_rows(self, valid):
+    def prefill_stats_request(self, valid) -> Optional[StatsRequest]:
         return None
 
-    def query_stat_rows(self, rows):
-        return None
+    @property
+    def acts_at_step0(self) -> bool:
+        """Whether on_block needs step 0 as a forward of its own (a policy that keeps the whole
+        cache and reads nothing says False: its step 0 joins the denoising loop)."""
+        return True
 
     def on_prefill_chunk(self, cache, ctx: StepContext):
         return cache
@@ -202,7 +209,11 @@ class Dense(Policy):
     def first_block_special(self) -> bool:
         return False
 
+    @property
+    def acts_at_step0(self) -> bool:
+        return False
+
     name = "dense"
 
 
-__all__ = ["BlockResult", "Dense", "Forward", "Policy", "PolicyError", "StepContext"]
+__all__ = ["BlockResult", "Dense", "Forward", "Policy", "PolicyError", "StatsRequest", "StepContext"]

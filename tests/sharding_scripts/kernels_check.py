@@ -48,8 +48,8 @@ def main():
                     want = reference.attention(q, k, v, valid, kb, vb, blk, rows, pool)
 
                 def f(q, ctx, kb, vb, blk, rows):
-                    with attention.use(impl, interpret=True), attention.stat_pool(pool):
-                        return attention.attend(q, ctx, kb, vb, blk, rows)
+                    with attention.use(impl, interpret=True):
+                        return attention.attend(q, ctx, kb, vb, blk, rows, pool=pool)
 
                 with jax.set_mesh(mesh):
                     fn = jax.jit(f)
