@@ -17,8 +17,16 @@ Per case (random prompt tokens, fixed output of --out-len tokens, stop at EOS of
   decode_s         the decode alone: a program that starts from the prefill program's state
                    (engine.generate.lower(phase="decode")), its second run; decode_s_per_block
                    over the blocks decoded, decode_tok_s = out_len / decode_s
+  steady_s_per_block  (--measure steady) the decode per block after the first: the decode
+                   program at --out-len and at --steady-from new tokens (each from its own
+                   prefill), (decode_s - decode_s_short) / (blocks - blocks_short). The first
+                   block's step 0 reads the whole prompt and its eviction ranks it (O(T) once);
+                   the blocks after it read the kept budget only
   kv_peak_mb, kv_end_mb   the engine's KV accounting (stats of generate)
   forwards         forwards of the whole run
+
+  (--table shape) xla_temp_gb of a real model's shape compiled for this CPU (abstract weights:
+  nothing allocated or run; kv_dense_gb: a bf16 cache of the whole prompt)
 
 Tables (--table):
   memory     the block-causal testbed (dense, maskahead, q-maskahead) and the bidirectional twin
@@ -26,6 +34,7 @@ Tables (--table):
   throughput the twin with LLaDA's fixed schedule (commit_rule llada, 2 tokens per step) with no
              cache (prompt_refresh=1: every step recomputes the whole sequence), the prompt cache,
              and MaskKV at 256 pairs per head: decoded tokens per second and the ratios
+  shape      --shape (default LLaDA-8B), batch 1: dense, maskkv-online, maskkv layer by layer
 
   python experiments/bench_long_context.py --table memory --lengths 2048,4096,8192,16384,32768 \
       --out docs/long_context/memory.json
@@ -34,6 +43,13 @@ Tables (--table):
   python experiments/bench_long_context.py --table memory --measure decode --pct 1 \
       --only testbed:dense,testbed:maskahead,testbed:q-maskahead --out docs/long_context/decode.json
       (decode per block: --pct 1 is the floor's 512 entries at every length, a budget flat in T)
+  python experiments/bench_long_context.py --table shape --shape llada-8b --lengths 8192,16384,32768 \
+      --out docs/long_context/shape_llada8b.json
+      (MaskKV's memory claim where the KV dominates: LLaDA-8B's shape compiled, not run)
+  python experiments/bench_long_context.py --table memory --measure steady --pct 1 --schedule llada \
+      --out-len 320 --steady-from 64 --decode-repeats 5 --lengths 2048,8192,32768 \
+      --only testbed:dense,testbed:maskahead,testbed:q-maskahead --out docs/long_context/steady.json
+      (the steady state: is an evicting policy's decode per block flat in the prompt length?)
 """
 from __future__ import annotations
 
@@ -55,6 +71,8 @@ TABLES = {
     # LLaDA's own schedule, no cache: every step a full forward of [prompt | response]
     "throughput": [("twin", "dense", {"prompt_refresh": 1}), ("twin", "dense", {}),
                    ("twin", "maskkv", {})],
+    # a real bidirectional model's shape (--shape), compiled, not run: where the KV dominates
+    "shape": [("shape", "dense", {}), ("shape", "maskkv-online", {}), ("shape", "maskkv", {})],
 }
 
 
@@ -82,12 +100,46 @@ def _timed(fn, args, repeats: int = 1, warm: bool = True):
     return out, sorted(times)[len(times) // 2]
 
 
+def _policy(policy: str, pct: float):
+    """The case's policy: None (dense), MaskKV at 256 pairs per head, or `policy` at pct%."""
+    from maskahead_jax.policies import make
+
+    if policy == "dense":
+        return None
+    if policy.startswith("maskkv"):
+        return make(policy, None, budget_per_head=256, budget_pct=None)
+    return make(policy, pct)
+
+
+def compile_case(shape: str, policy: str, n: int, out_len: int, pct: float, layers: int = 0) -> dict:
+    """A real model's shape (profile.SHAPES, random abstract weights: nothing is allocated or
+    run), batch 1: XLA's buffer plan of the whole generate program compiled for this CPU
+    (lowering.compiles.compile_memory: float32 weights, bf16 cache, jnp attention). The
+    temporaries hold the KV cache (it lives inside the program) and the activations, which is
+    what MaskKV's layer-by-layer pass cuts; kv_dense_gb is a bf16 cache of the whole prompt."""
+    import jax
+
+    from maskahead_jax.lowering.compiles import compile_memory
+
+    mem = compile_memory(shape, _policy(policy, pct), n, 1, None, out_len=out_len, layers=layers or None)
+    from maskahead_jax.lowering.cases import case_config
+
+    cfg = case_config(shape, n, out_len, layers=layers or None)[0]
+    kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * n * 2
+    return dict(model=shape, policy=policy, gen={}, prompt_len=n, out_len=out_len, measure="compile",
+                layers=cfg.num_layers, xla_temp_gb=mem["temp"] / 2 ** 30, xla_args_gb=mem["argument"] / 2 ** 30,
+                compile_s=mem["compile_s"], kv_dense_gb=kv / 2 ** 30, jax=jax.__version__)
+
+
 def run_case(model_name: str, policy: str, n: int, out_len: int, gen_kw: dict, pct: float,
-             schedule: str, measure: str = "memory", decode_repeats: int = 1, warm: bool = True) -> dict:
+             schedule: str, measure: str = "memory", decode_repeats: int = 1, warm: bool = True,
+             steady_from: int = 64) -> dict:
     """One case in this process (see the module docstring for the fields). measure: "memory"
     (prefill, then the whole program: peak RSS, XLA's buffers, time to first token, end to end),
     "decode" (prefill, then the decode program from its state: decode time; the RSS then holds
-    that state twice, not a memory figure), "prefill" (the prefill program alone: the no-cache
+    that state twice, not a memory figure), "steady" (the decode program at --steady-from and at
+    --out-len new tokens, each from its own prefill: the blocks after the first, whose step 0
+    reads the whole prompt and whose eviction ranks it, cost the difference), "prefill" (the prefill program alone: the no-cache
     schedule at lengths where every step's full forward would take hours; the parent derives
     its decode time)."""
     import jax
@@ -95,7 +147,6 @@ def run_case(model_name: str, policy: str, n: int, out_len: int, gen_kw: dict, p
 
     import maskahead_jax as mj
     from maskahead_jax.engine.generate import lower
-    from maskahead_jax.policies import make
 
     model = mj.load_pretrained(MODELS[model_name], max_position_embeddings=n + out_len + 512)
     cfg = model.config
@@ -106,12 +157,7 @@ def run_case(model_name: str, policy: str, n: int, out_len: int, gen_kw: dict, p
         kw.update(commit_rule="llada", steps_per_block=cfg.block_size // 2)
     gen = mj.GenerationConfig(**kw)
     evicting = _takes_pct(policy)
-    if policy == "dense":
-        pol = None
-    elif policy.startswith("maskkv"):
-        pol = make(policy, None, budget_per_head=256, budget_pct=None)
-    else:
-        pol = make(policy, pct)
+    pol = _policy(policy, pct)
     row = dict(model=model_name, policy=policy, gen=gen_kw, schedule=schedule, prompt_len=n, out_len=out_len,
                pct=pct if evicting else None, measure=measure, warm=warm, rss_base_gb=_rss_gb())
     pre, args = lower(model, [prompt], gen, pol, phase="prefill")
@@ -128,6 +174,24 @@ def run_case(model_name: str, policy: str, n: int, out_len: int, gen_kw: dict, p
         blocks = max(1, int(res["blocks"]))
         row.update(decode_s=decode_s, decode_repeats=decode_repeats, blocks=blocks, decode_s_per_block=decode_s / blocks,
                    decode_tok_s=out_len / decode_s)
+    elif measure == "steady":  # the blocks after the first: two decode lengths, the difference
+        del out
+        short = mj.GenerationConfig(**dict(kw, max_new_tokens=steady_from))
+        times, blocks = {}, {}
+        for name, g in (("short", short), ("long", gen)):
+            p, pargs = lower(model, [prompt], g, pol, phase="prefill")
+            state = p.compile()(*pargs)["state"]
+            dec, dargs = lower(model, [prompt], g, pol, phase="decode", prefilled=state)
+            res, times[name] = _timed(dec.compile(), dargs, decode_repeats)
+            res = jax.tree_util.tree_map(np.asarray, res)
+            blocks[name] = int(res["blocks"])
+            del state, dargs
+        if blocks["long"] <= blocks["short"]:
+            raise ValueError(f"--out-len {out_len} decodes no more blocks than --steady-from {steady_from}")
+        row.update(decode_s_short=times["short"], decode_s=times["long"], blocks_short=blocks["short"],
+                   blocks=blocks["long"], decode_repeats=decode_repeats, steady_from=steady_from,
+                   decode_s_per_block=times["long"] / blocks["long"],
+                   steady_s_per_block=(times["long"] - times["short"]) / (blocks["long"] - blocks["short"]))
     else:
         del out
         t0 = time.perf_counter()
@@ -161,10 +225,13 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="JSON file; cases already in it are kept (resume)")
     ap.add_argument("--case", default=None, help=argparse.SUPPRESS)  # one case, JSON: the child process
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per case")
-    ap.add_argument("--measure", choices=("memory", "decode"), default=None,
+    ap.add_argument("--measure", choices=("memory", "decode", "steady"), default=None,
                     help="memory: prefill + the whole program (peak RSS, XLA buffers, TTFT, end to end; the "
                          "memory table's default); decode: prefill + the decode program (the throughput "
-                         "table's default)")
+                         "table's default); steady: the decode per block after the first (--steady-from)")
+    ap.add_argument("--steady-from", type=int, default=64,
+                    help="--measure steady: the shorter run's new tokens; steady_s_per_block = (decode at --out-len - "
+                         "decode at this) / (their blocks' difference)")
     ap.add_argument("--decode-repeats", type=int, default=1, help="--measure decode: the median of this many runs")
     ap.add_argument("--schedule", choices=("model", "llada"), default=None,
                     help="model: the model's commit rule (the memory table's default); llada: a fixed 2 tokens per "
@@ -177,34 +244,50 @@ def main(argv=None) -> int:
                          "(prompt_refresh=1) runs its full forward once and its decode time is derived: "
                          "(forwards - 1) x that forward x the longest measured run's decode / ((forwards - 1) "
                          "x its prefill) (the schedule is fixed); such rows say derived: true")
+    ap.add_argument("--shape", default="llada-8b", help="--table shape: the model shape (profile.SHAPES)")
+    ap.add_argument("--layers", type=int, default=0, help="--table shape: fewer layers than the shape's (0: all)")
     a = ap.parse_args(argv)
     if a.case:
         c = json.loads(a.case)
-        print("CASE " + json.dumps(run_case(**c)), flush=True)
+        if c.pop("compile", False):
+            c.pop("measure")
+            row = compile_case(**c)
+        else:
+            row = run_case(**c)
+        print("CASE " + json.dumps(row), flush=True)
         return 0
     lengths = [int(x) for x in a.lengths.split(",")]
     schedule = a.schedule or ("llada" if a.table == "throughput" else "model")
-    measure = a.measure or ("decode" if a.table == "throughput" else "memory")
+    measure = a.measure or {"throughput": "decode", "shape": "compile"}.get(a.table, "memory")
     done = []
     if a.out and os.path.exists(a.out):
         done = json.load(open(a.out)).get("cases", [])
     key = lambda r: (r["model"], r["policy"], json.dumps(r["gen"], sort_keys=True), r["prompt_len"],
                      r.get("measure", "memory"), r.get("pct"), r.get("out_len", 64),
-                     r.get("decode_repeats", 1), r.get("schedule", "model"))
+                     r.get("decode_repeats", 1), r.get("schedule", "model"), r.get("steady_from"))
     have = {key(r) for r in done}
     only = set(filter(None, a.only.split(",")))
     for model_name, policy, gen_kw in TABLES[a.table]:
         if only and f"{model_name}:{policy}" not in only:
             continue
+        if model_name == "shape":
+            model_name = a.shape
         for n in lengths:
-            c = dict(model_name=model_name, policy=policy, n=n, out_len=a.out_len, gen_kw=gen_kw, pct=a.pct,
+            if measure == "compile":  # compile_case in the child
+                c = dict(compile=True, shape=model_name, policy=policy, n=n, out_len=a.out_len, pct=a.pct,
+                         layers=a.layers, measure="compile")
+            else:
+                c = None
+            c = c or dict(model_name=model_name, policy=policy, n=n, out_len=a.out_len, gen_kw=gen_kw, pct=a.pct,
                      schedule=schedule,
                      measure="prefill" if (a.derive_from and n >= a.derive_from and gen_kw.get("prompt_refresh") == 1)
-                     else measure, decode_repeats=a.decode_repeats, warm=not a.once)
+                     else measure, decode_repeats=a.decode_repeats, warm=not a.once,
+                     **(dict(steady_from=a.steady_from) if measure == "steady" else {}))
             evicting = _takes_pct(policy)
             if (model_name, policy, json.dumps(gen_kw, sort_keys=True), n, c["measure"],
                     a.pct if evicting else None, a.out_len,
-                    a.decode_repeats if c["measure"] == "decode" else 1, schedule) in have:
+                    a.decode_repeats if c["measure"] in ("decode", "steady") else 1, schedule,
+                    a.steady_from if c["measure"] == "steady" else None) in have:
                 continue
             t0 = time.time()
             load_before = os.getloadavg()[0]
@@ -251,10 +334,11 @@ def main(argv=None) -> int:
             fits.append(dict(model=r0["model"], policy=r0["policy"], gen=r0["gen"], measure=r0.get("measure", "memory"),
                              pct=r0.get("pct"), out_len=r0.get("out_len"), lo=mid, hi=hi, **{
                 f"exp_{k}": slope(rows, k, mid, hi) for k in
-                ("rss_gb", "xla_temp_gb", "prefill_s", "e2e_s", "decode_s_per_block", "kv_peak_mb")}))
+                ("rss_gb", "xla_temp_gb", "prefill_s", "e2e_s", "decode_s_per_block", "steady_s_per_block",
+                 "kv_peak_mb")}))
     if a.out:
         json.dump(dict(table=a.table, cases=done, fits=fits), open(a.out, "w"), indent=1)
-    cols = ("prompt_len", "rss_gb", "xla_temp_gb", "prefill_s", "e2e_s", "decode_s_per_block",
+    cols = ("prompt_len", "rss_gb", "xla_temp_gb", "kv_dense_gb", "prefill_s", "e2e_s", "decode_s_per_block", "steady_s_per_block",
             "decode_tok_s", "kv_peak_mb", "kv_end_mb", "forwards")
     print("| model | policy | " + " | ".join(cols) + " |")
     print("|" + "---|" * (len(cols) + 2))

@@ -39,10 +39,11 @@ def shape_names(spec: str) -> list[str]:
     return names
 
 
-def case_config(shape: str, prompt_len: int, out_len: int = OUT_LEN):
+def case_config(shape: str, prompt_len: int, out_len: int = OUT_LEN, layers: Optional[int] = None):
     """(ModelConfig of the shape, positions the run needs, the shape's trained positions); the
-    config's max_position_embeddings is raised to what the run needs when it is shorter."""
-    cfg = shape_config(shape)
+    config's max_position_embeddings is raised to what the run needs when it is shorter.
+    layers: fewer layers than the shape has (a smaller program, e.g. a memory measurement)."""
+    cfg = shape_config(shape, layers)
     need = prompt_len + out_len + cfg.block_size
     trained = cfg.max_position_embeddings
     return cfg.replace(max_position_embeddings=max(trained, need)), need, trained

@@ -16,8 +16,8 @@ from .cases import (CAPACITY, OUT_LEN, _core, abstract_args, build_policy, case_
                     mesh_sizes_of)
 from .lower import describe
 
-def compile_memory(shape: str, policy: str, prompt_len: int, batch: int, mesh: str,
-                   out_len: int = OUT_LEN, capacity: float = CAPACITY) -> dict:
+def compile_memory(shape: str, policy, prompt_len: int, batch: int, mesh: str,
+                   out_len: int = OUT_LEN, capacity: float = CAPACITY, layers: Optional[int] = None) -> dict:
     """XLA's per-device buffer plan of the generate core compiled for this machine's CPU under
     `mesh` (needs that many devices: forced host devices), jnp reference attention:
     {argument, output, temp} bytes (memory_analysis) and compile seconds. Abstract inputs: no
@@ -25,15 +25,21 @@ def compile_memory(shape: str, policy: str, prompt_len: int, batch: int, mesh: s
     bf16): XLA's CPU backend has no bf16 matmul, and with bf16 weights its temporaries are
     mostly float32 copies of them (the LM head's 2 GiB, twice, at the 7B shape), which a TPU or
     GPU program does not make; in exchange the activations are float32 here, where a device
-    keeps some in bf16 (an upper estimate for those)."""
+    keeps some in bf16 (an upper estimate for those). policy: a label (build_policy, at
+    `capacity`%) or a Policy (None: dense); layers: fewer than the shape's."""
     import jax
     import jax.numpy as jnp
 
     from ..sharding import make_mesh
 
-    cfg, _, _ = case_config(shape, prompt_len, out_len)
+    cfg, _, _ = case_config(shape, prompt_len, out_len, layers)
     gen = generation(cfg, out_len, attention="reference")
-    pol = build_policy(policy, cfg, gen, capacity)
+    pol = build_policy(policy, cfg, gen, capacity) if isinstance(policy, str) else policy
+    if pol is None:
+        from ..policies import Dense
+
+        pol = Dense()
+    pol.check_run(cfg, gen)
     m = make_mesh(mesh_label(mesh) or "")
     args = abstract_args(cfg, gen, prompt_len, batch, m, param_dtype="float32")
     t0 = time.perf_counter()
