@@ -35,6 +35,9 @@ Tables (--table):
              cache (prompt_refresh=1: every step recomputes the whole sequence), the prompt cache,
              and MaskKV at 256 pairs per head: decoded tokens per second and the ratios
   shape      --shape (default LLaDA-8B), batch 1: dense, maskkv-online, maskkv layer by layer
+  all        every registered policy that applies to the family (the testbed: block-causal ones;
+             the twin: the prompt compressors), dense included (q-maskahead-draft without its
+             drafting pass: lower() runs the core alone)
 
   python experiments/bench_long_context.py --table memory --lengths 2048,4096,8192,16384,32768 \
       --out docs/long_context/memory.json
@@ -50,6 +53,8 @@ Tables (--table):
       --out-len 320 --steady-from 64 --decode-repeats 5 --lengths 2048,8192,32768 \
       --only testbed:dense,testbed:maskahead,testbed:q-maskahead --out docs/long_context/steady.json
       (the steady state: is an evicting policy's decode per block flat in the prompt length?)
+  python experiments/bench_long_context.py --table all --once --lengths 32768 --out docs/long_context/all_32k.json
+      (every policy at 32k: peak RSS and XLA temporaries)
 """
 from __future__ import annotations
 
@@ -71,6 +76,12 @@ TABLES = {
     # LLaDA's own schedule, no cache: every step a full forward of [prompt | response]
     "throughput": [("twin", "dense", {"prompt_refresh": 1}), ("twin", "dense", {}),
                    ("twin", "maskkv", {})],
+    # every registered policy that runs on the family (dense included), --once at 32k: do they all run?
+    "all": [("testbed", p, {}) for p in (
+        "dense", "maskahead", "maskahead-bounded", "maskahead-qa", "q-maskahead", "q-maskahead-qa",
+        "q-maskahead-draft", "dapq", "snapkv", "h2o", "caote", "ea", "streaming", "streaming-bounded",
+        "maskkv-blockcausal")] + [("twin", p, {}) for p in (
+        "dense", "maskkv", "maskkv-online", "snapkv", "pyramidkv", "adakv")],
     # a real bidirectional model's shape (--shape), compiled, not run: where the KV dominates
     "shape": [("shape", "dense", {}), ("shape", "maskkv-online", {}), ("shape", "maskkv", {})],
 }

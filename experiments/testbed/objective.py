@@ -11,9 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from maskahead_jax.model.decoder import embed, lm_head, output_projection, project_qkv
-from maskahead_jax.model.layers import rms_norm, rope_tables, swiglu
-from maskahead_jax.model.two_copy import two_copy_attention, two_copy_hidden, two_copy_mask as _two_copy_mask
+from maskahead_jax.model.decoder import lm_head
+from maskahead_jax.model.two_copy import two_copy_hidden, two_copy_mask as _two_copy_mask
 
 from .data import BLOCK
 
@@ -38,20 +37,7 @@ def two_copy_hidden_at(params, cfg, xt, x0, pos, chunk: int = 512):
     library's two-copy mask over token *indices* (block b = tokens [32 b, 32 b + 32)), which is
     the mask over position blocks as long as every block holds 32 consecutive ids from a multiple
     of 32 (data.pose_positions' chunks are cut on block boundaries)."""
-    bsz, L = xt.shape
-    pos = jnp.asarray(pos, jnp.int32)
-    scaling = getattr(cfg, "rope_scaling", None)  # (a config's RoPE scaling, where the library has one)
-    cos, sin = rope_tables(jnp.concatenate([pos, pos], axis=1), cfg.rope_dim, cfg.rope_theta,
-                           *((scaling,) if scaling else ()))
-    chunk = min(chunk, L)
-
-    def layer(x, p):
-        q, k, v = project_qkv(p, x, cos, sin, cfg)
-        x = x + output_projection(p, two_copy_attention(q, k, v, L, cfg.block_size, chunk), cfg)
-        return x + swiglu(p["mlp"], rms_norm(x, p["mlp_norm"], cfg.rms_eps)), None
-
-    x, _ = jax.lax.scan(layer, embed(params, jnp.concatenate([xt, x0], axis=1)), params["layers"])
-    return rms_norm(x, params["final_norm"], cfg.rms_eps)
+    return two_copy_hidden(params, cfg, xt, x0, chunk, positions=pos)
 
 
 def two_copy_logits(params, cfg, xt, x0, chunk: int = 512, pos=None):

@@ -80,13 +80,18 @@ def two_copy_attention(q, k, v, L: int, block: int, chunk: int):
     return jnp.concatenate(out_n + out_c, axis=3).astype(q.dtype)
 
 
-def two_copy_hidden(params, cfg: ModelConfig, xt, x0, chunk: int = 512) -> jax.Array:
-    """Final hidden states [B, 2L, D] of [x_t | x_0] (x_t, x_0 [B, L] token ids)."""
+def two_copy_hidden(params, cfg: ModelConfig, xt, x0, chunk: int = 512, positions=None) -> jax.Array:
+    """Final hidden states [B, 2L, D] of [x_t | x_0] (x_t, x_0 [B, L] token ids). positions
+    [B, L]: the position ids of both copies (default arange(L); e.g. skip-wise PoSE ids, whose
+    chunks must start on block boundaries: the mask is over token indices)."""
     if "moe_layers" in params:
         raise ValueError("two_copy_hidden covers dense-MLP models (the testbed); use forward_hidden "
                          "with two_copy_mask for MoE")
     bsz, L = xt.shape
-    pos = jnp.broadcast_to(jnp.concatenate([jnp.arange(L), jnp.arange(L)]).astype(jnp.int32), (bsz, 2 * L))
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (bsz, L))
+    positions = jnp.asarray(positions, jnp.int32)
+    pos = jnp.concatenate([positions, positions], axis=1)
     cos, sin = rope_tables(pos, cfg)
     chunk = min(chunk, L)
 
