@@ -17,7 +17,8 @@ from .cases import (CAPACITY, OUT_LEN, _core, abstract_args, build_policy, case_
 from .lower import describe
 
 def compile_memory(shape: str, policy, prompt_len: int, batch: int, mesh: str,
-                   out_len: int = OUT_LEN, capacity: float = CAPACITY, layers: Optional[int] = None) -> dict:
+                   out_len: int = OUT_LEN, capacity: float = CAPACITY, layers: Optional[int] = None,
+                   attention: str = "reference", param_dtype: str = "float32") -> dict:
     """XLA's per-device buffer plan of the generate core compiled for this machine's CPU under
     `mesh` (needs that many devices: forced host devices), jnp reference attention:
     {argument, output, temp} bytes (memory_analysis) and compile seconds. Abstract inputs: no
@@ -26,14 +27,16 @@ def compile_memory(shape: str, policy, prompt_len: int, batch: int, mesh: str,
     mostly float32 copies of them (the LM head's 2 GiB, twice, at the 7B shape), which a TPU or
     GPU program does not make; in exchange the activations are float32 here, where a device
     keeps some in bf16 (an upper estimate for those). policy: a label (build_policy, at
-    `capacity`%) or a Policy (None: dense); layers: fewer than the shape's."""
+    `capacity`%) or a Policy (None: dense); layers: fewer than the shape's. On a device
+    (experiments/device_compiles.py): attention="auto" (the kernels) and bf16 weights, the
+    program `generate` compiles there."""
     import jax
     import jax.numpy as jnp
 
     from ..sharding import make_mesh
 
     cfg, _, _ = case_config(shape, prompt_len, out_len, layers)
-    gen = generation(cfg, out_len, attention="reference")
+    gen = generation(cfg, out_len, attention=attention)
     pol = build_policy(policy, cfg, gen, capacity) if isinstance(policy, str) else policy
     if pol is None:
         from ..policies import Dense
@@ -41,7 +44,7 @@ def compile_memory(shape: str, policy, prompt_len: int, batch: int, mesh: str,
         pol = Dense()
     pol.check_run(cfg, gen)
     m = make_mesh(mesh_label(mesh) or "")
-    args = abstract_args(cfg, gen, prompt_len, batch, m, param_dtype="float32")
+    args = abstract_args(cfg, gen, prompt_len, batch, m, param_dtype=param_dtype)
     t0 = time.perf_counter()
     with jax.set_mesh(m):
         lowered = _core(cfg).trace(*args, cfg=cfg, gen=gen, policy=pol, cache_dtype=jnp.dtype(jnp.bfloat16)).lower()
