@@ -50,8 +50,8 @@ Tables (--table):
       --out docs/long_context/shape_llada8b.json
       (MaskKV's memory claim where the KV dominates: LLaDA-8B's shape compiled, not run)
   python experiments/bench_long_context.py --table memory --measure steady --pct 1 --schedule llada \
-      --out-len 320 --steady-from 64 --decode-repeats 5 --lengths 2048,8192,32768 \
-      --only testbed:dense,testbed:maskahead,testbed:q-maskahead --out docs/long_context/steady.json
+      --out-len 576 --steady-from 64 --decode-repeats 7 --lengths 2048,32768 \
+      --only testbed:maskahead,testbed:q-maskahead --out docs/long_context/steady.json
       (the steady state: is an evicting policy's decode per block flat in the prompt length?)
   python experiments/bench_long_context.py --table all --once --lengths 32768 --out docs/long_context/all_32k.json
       (every policy at 32k: peak RSS and XLA temporaries)
@@ -130,11 +130,10 @@ def compile_case(shape: str, policy: str, n: int, out_len: int, pct: float, laye
     what MaskKV's layer-by-layer pass cuts; kv_dense_gb is a bf16 cache of the whole prompt."""
     import jax
 
+    from maskahead_jax.lowering.cases import case_config
     from maskahead_jax.lowering.compiles import compile_memory
 
     mem = compile_memory(shape, _policy(policy, pct), n, 1, None, out_len=out_len, layers=layers or None)
-    from maskahead_jax.lowering.cases import case_config
-
     cfg = case_config(shape, n, out_len, layers=layers or None)[0]
     kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * n * 2
     return dict(model=shape, policy=policy, gen={}, prompt_len=n, out_len=out_len, measure="compile",
@@ -288,12 +287,12 @@ def main(argv=None) -> int:
                 c = dict(compile=True, shape=model_name, policy=policy, n=n, out_len=a.out_len, pct=a.pct,
                          layers=a.layers, measure="compile")
             else:
-                c = None
-            c = c or dict(model_name=model_name, policy=policy, n=n, out_len=a.out_len, gen_kw=gen_kw, pct=a.pct,
-                     schedule=schedule,
-                     measure="prefill" if (a.derive_from and n >= a.derive_from and gen_kw.get("prompt_refresh") == 1)
-                     else measure, decode_repeats=a.decode_repeats, warm=not a.once,
-                     **(dict(steady_from=a.steady_from) if measure == "steady" else {}))
+                c = dict(model_name=model_name, policy=policy, n=n, out_len=a.out_len, gen_kw=gen_kw, pct=a.pct,
+                         schedule=schedule,
+                         measure="prefill" if (a.derive_from and n >= a.derive_from
+                                               and gen_kw.get("prompt_refresh") == 1) else measure,
+                         decode_repeats=a.decode_repeats, warm=not a.once,
+                         **(dict(steady_from=a.steady_from) if measure == "steady" else {}))
             evicting = _takes_pct(policy)
             if (model_name, policy, json.dumps(gen_kw, sort_keys=True), n, c["measure"],
                     a.pct if evicting else None, a.out_len,

@@ -13,8 +13,7 @@ per case on stdout:
 
     python experiments/device_compiles.py compile --shapes fast-dllm-v2-7b,llada-8b --prompt-lens 8192,32768
     python experiments/device_compiles.py mesh --policies dense,maskahead,q-maskahead
-    (on a CPU: the reference attention, a smoke run: --shapes testbed-like shapes are not
-    needed, a 2-layer program via --layers 2)
+    (on a CPU both run with the reference attention: a smoke run, e.g. --layers 2)
 """
 from __future__ import annotations
 
@@ -56,6 +55,7 @@ def mesh_rows(policies, new_tokens=32):
     import jax
 
     import maskahead_jax as mj
+    from maskahead_jax.lowering.lower import describe
     from maskahead_jax.policies import make
     from maskahead_jax.sharding import make_mesh
 
@@ -71,9 +71,7 @@ def mesh_rows(policies, new_tokens=32):
             plain = mj.generate(model, prompts, gc, policy=pol).tokens
             meshed = mj.generate(model, prompts, gc, policy=pol, mesh=mesh).tokens
             row.update(equal=plain == meshed, seconds=round(time.perf_counter() - t0, 1))
-        except Exception as e:  # noqa: BLE001
-            from maskahead_jax.lowering.lower import describe
-
+        except Exception as e:  # noqa: BLE001  (every failure is a row)
             row["error"] = describe(e)
         yield row
 

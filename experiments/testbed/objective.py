@@ -46,7 +46,7 @@ def two_copy_logits(params, cfg, xt, x0, chunk: int = 512, pos=None):
     or concat(pos, pos) with position ids pos [B, L] (two_copy_hidden_at).
     The forward is model.two_copy_hidden (chunked, no dense 2L x 2L mask; same numbers)."""
     L = xt.shape[1]
-    h = two_copy_hidden(params, cfg, xt, x0, chunk) if pos is None else two_copy_hidden_at(params, cfg, xt, x0, pos, chunk)
+    h = two_copy_hidden(params, cfg, xt, x0, chunk, positions=pos)
     if not cfg.logits_shift:
         return lm_head(params, cfg, h[:, :L])
     # shifted logits (Fast-dLLM v2): token p is predicted at p - 1; a block's first token from the

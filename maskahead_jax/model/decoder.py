@@ -172,8 +172,6 @@ def run_layers(params, cfg: ModelConfig, x, positions, blk_mask, segments: Seque
         raise ValueError(f"segments must tile [0, {cfg.num_layers}) in order: {segments}")
     cos, sin = rope_tables(positions, cfg)
     nd = cfg.num_dense_mlp_layers
-    if stats is not None:
-        stats.checked()
     with_stats = stats is not None and stats.mass
     moments = stats is not None and stats.moments
     pool = "mean" if stats is None else stats.pool

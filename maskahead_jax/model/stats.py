@@ -13,8 +13,6 @@ from typing import NamedTuple
 
 import jax
 
-from ..kernels.reference import POOLS
-
 
 class StatsRequest(NamedTuple):
     """One forward's statistics, as a policy asks for them.
@@ -23,7 +21,8 @@ class StatsRequest(NamedTuple):
     mass      each cache entry's prefix-only softmax mass and value-aware score, pooled over
               `rows` and the GQA group by `pool` (StepOutput.mass / .score; ctx.mass / ctx.score)
     pool      how the rows pool: "mean" (each key's share of the rows' attention), "max",
-              "mean+max", "max_joint" (kernels.reference.pool_rows)
+              "mean+max", "max_joint" (kernels.reference.POOLS / pool_rows; `attend` refuses
+              any other)
     moments   the rows' pre-RoPE query moments per query head (StepOutput.queries; ctx.queries,
               with ctx.rope: the RoPE phase at the forward's last two positions)
     block_kv  the block's own post-RoPE K/V at step 0 (ctx.block_kv: a joint-softmax vote over
@@ -35,14 +34,3 @@ class StatsRequest(NamedTuple):
     pool: str = "mean"
     moments: bool = False
     block_kv: bool = False
-
-    def checked(self) -> "StatsRequest":
-        """Itself, or a ValueError naming the unknown pooling."""
-        if self.pool not in POOLS:
-            raise ValueError(f"StatsRequest.pool must be one of {POOLS}, got {self.pool!r}")
-        return self
-
-
-def rows_of(stats: "StatsRequest | None"):
-    """The request's rows, or None."""
-    return None if stats is None else stats.rows
