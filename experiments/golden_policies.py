@@ -3,12 +3,15 @@ every registered policy, recorded once and compared after each change.
 
     python experiments/golden_policies.py record runs/golden.json   # before a refactor
     python experiments/golden_policies.py compare runs/golden.json  # after each step: exit 1 on any difference
+    python experiments/golden_policies.py record runs/golden_lab.json --lab   # the lab plugin's knobs
 
 Cases: the shipped testbed (block-causal, shifted logits) on two suite prompts, every policy
 that runs there at two budgets (knobs scaled to the prompt, as docs/results.md §2), and tiny
 random LLaDA / Dream models (bidirectional) for the prompt compressors. A policy that refuses a
 model is recorded with its error message, so a refusal that changes is a difference too.
-Wall times are left out (they are not behaviour).
+Wall times are left out (they are not behaviour). With --lab the cases are instead the
+experiments plugin's knobs (experiments/qa_lab.py), each set alone on the testbed, so moving a
+mechanism between the core and the plugin is checked too.
 """
 from __future__ import annotations
 
@@ -29,7 +32,20 @@ KNOBS = dict(capacity_floor=64, topk_floor=32, recent=32, interval_blocks=2)
 TIMING_KEYS = ("wall_s", "timings")
 
 
-def _policy(name, pct):
+# (lab policy, knobs) each run on the testbed at 30%: every knob of experiments/qa_lab.py off its default
+LAB_CASES = (
+    ("maskahead-qa-lab", {}), ("maskahead-qa-lab", dict(prefill_slack=2.0)),
+    ("maskahead-qa-lab", dict(defer_final_chunk=True)), ("maskahead-qa-lab", dict(prefill_budget="prompt")),
+    ("maskahead-qa-lab", dict(hide_question="blocks")), ("maskahead-qa-lab", dict(hide_question="all")),
+    ("maskahead-qa-lab", dict(question_masks=True)), ("maskahead-qa-lab", dict(step0_weight=0.5)),
+    ("maskahead-qa-lab", dict(first_block_probe="question")),
+    ("q-maskahead-draft-lab", {}), ("q-maskahead-draft-lab", dict(draft_probe="interleaved")),
+    ("q-maskahead-draft-lab", dict(draft_past_answer=True)), ("q-maskahead-draft-lab", dict(draft_capacity_pct=20.0)),
+    ("q-maskahead-draft-lab", dict(first_block_probe="question", hide_question="all", question_masks=True)),
+)
+
+
+def _policy(name, pct, extra=None):
     from maskahead_jax import policies as P
 
     if pct is not None and hasattr(P, "takes_budget") and not P.takes_budget(name):
@@ -39,15 +55,16 @@ def _policy(name, pct):
     kw = {k: v for k, v in KNOBS.items() if k in fields}
     if name in ("snapkv",):
         kw.pop("recent", None)
+    kw.update(extra or {})
     return P.make(name, pct, **kw) if pct is not None else P.make(name, None, **kw)
 
 
-def _record_one(model, prompts, gen, name, pct):
+def _record_one(model, prompts, gen, name, pct, extra=None):
     from maskahead_jax.generate import generate
     from maskahead_jax.policies import PolicyError
 
     try:
-        pol = _policy(name, pct)
+        pol = _policy(name, pct, extra)
         out = generate(model, prompts, gen, pol)
     except (PolicyError, ValueError) as e:
         return dict(error=f"{type(e).__name__}: {e}")
@@ -87,9 +104,29 @@ def cases():
     yield "fast_dllm_v2", tiny_model("fast_dllm_v2"), prompts, fgen, [("dense", None)] + tiny_knobs
 
 
-def record() -> dict:
+def lab_cases():
+    """The --lab cases: (case name, model, prompts, GenerationConfig, [(policy, pct, knobs)])."""
+    import experiments.qa_lab as _lab  # registers the lab policies
+    del _lab
+    import maskahead_jax as mj
+    from maskahead_jax.evaluation.datasets import testbed_suite
+
+    model = mj.load_pretrained(os.path.join(_ROOT, "maskahead_jax", "testbed"))
+    exs = testbed_suite(["multikey", "longanswer"], [512], [0.5], n_per_cell=1, seed=3)
+    gen = mj.GenerationConfig(max_new_tokens=96, stop_at_eos=False)
+    return [("testbed-lab", model, [e.ids for e in exs], gen, [(n, 30.0, kw) for n, kw in LAB_CASES])]
+
+
+def record(lab: bool = False) -> dict:
     global KNOBS
     out = {}
+    if lab:
+        for case, model, prompts, gen, runs in lab_cases():
+            for name, pct, kw in runs:
+                key = f"{case}/{name}/{pct}/" + ",".join(f"{k}={v}" for k, v in sorted(kw.items()))
+                out[key] = _record_one(model, prompts, gen, name, pct, kw)
+                print(key, "error" if "error" in out[key] else "ok", flush=True)
+        return out
     for case, model, prompts, gen, runs in cases():
         knobs = KNOBS
         if case != "testbed":  # tiny models: 8-token blocks, ~100-token prompts
@@ -125,8 +162,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("mode", choices=("record", "compare"))
     ap.add_argument("path")
+    ap.add_argument("--lab", action="store_true", help="the experiments plugin's knobs (experiments/qa_lab.py)")
     args = ap.parse_args(argv)
-    new = json.loads(json.dumps(record()))
+    new = json.loads(json.dumps(record(args.lab)))
     if args.mode == "record":
         os.makedirs(os.path.dirname(os.path.abspath(args.path)), exist_ok=True)
         with open(args.path, "w") as f:

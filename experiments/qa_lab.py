@@ -27,14 +27,122 @@ docs/notes/2026-12-05-issue40-question-aware.md (§2c-2 to §2c-6 there).
                      "interleaved" (two forwards, its even / odd positions masked again)
   draft_past_answer  True: draft draft_tokens whatever the run's max_new_tokens
   draft_capacity_pct > 0: the drafting pass keeps this budget instead of capacity_pct
+
+The mechanisms behind them are refinements of the core's strategy and probe objects, here
+too: LabDeferred (step0_mass), LabBoundedPrefill (capacity / bound), LabQuestion (view /
+answers), LabQuestionLookahead (question_mass). `python experiments/golden_policies.py compare
+runs/golden_lab.json --lab` checks that they run the tokens they ran inside the core.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Optional
 
+import math
+
+import jax
+import jax.numpy as jnp
+
 from maskahead_jax.policies import DraftedMaskAhead, Packed, QuestionAwareMaskAhead, register
+from maskahead_jax.policies.budgets import guarded
 from maskahead_jax.policies.errors import PolicyError
+from maskahead_jax.policies.probes import Question, QuestionLookahead
+from maskahead_jax.policies.schedules import BoundedPrefill, Deferred
+
+PREFILL_BUDGETS = ("seen", "prompt")
+
+
+def extend(cls, part, **knobs):
+    """The core part `part` as its lab subclass `cls`, with the lab's knobs."""
+    return cls(**{f.name: getattr(part, f.name) for f in dataclasses.fields(part)}, **knobs)
+
+
+@dataclasses.dataclass(frozen=True)
+class LabDeferred(Deferred):
+    """Deferred whose block evictions rank by step0_weight x step-0 mass + probe mass."""
+
+    step0_weight: float = 1.0
+
+    def step0_mass(self, ctx):
+        m = ctx.mass
+        return m if self.step0_weight == 1.0 or m is None else self.step0_weight * m
+
+
+@dataclasses.dataclass(frozen=True)
+class LabBoundedPrefill(BoundedPrefill):
+    """Bounded prefill keeping slack x C(seen) (budget="seen") or slack x C(whole stored prompt)
+    from the first chunk on (budget="prompt"); defer_final_chunk leaves the prompt's final chunk
+    to the first block's eviction."""
+
+    slack: float = 1.0
+    defer_final_chunk: bool = False
+    budget: str = "seen"
+
+    def __post_init__(self):
+        if not self.slack >= 1.0:
+            raise PolicyError(f"prefill_slack must be >= 1 (a multiple of C(seen)), got {self.slack}")
+        if self.budget not in PREFILL_BUDGETS:
+            raise PolicyError(f"prefill_budget must be seen|prompt, got {self.budget!r}")
+
+    def capacity(self, budget, seen):
+        c = budget.capacity(seen)
+        if self.slack == 1.0:
+            return c
+        if isinstance(seen, int):
+            return int(math.floor(guarded(self.slack * c)))
+        return jnp.floor(guarded(self.slack * c.astype(jnp.float32))).astype(jnp.int32)
+
+    def bound(self, ev, cache, ctx):
+        seen = cache.seen if self.budget == "seen" else jnp.maximum(cache.seen, ctx.n_pre)
+        cap = self.capacity(ev.budget, seen)
+        over = cache.length > cap
+        if self.defer_final_chunk:  # the first block's eviction (lookahead + question) ranks it
+            over = over & (ctx.start + ctx.appended < ctx.n_pre)
+        return cap, over
+
+
+def hide_question(probe, cache, ctx):
+    """The cache without the question's own entries when `probe.hide_cached`: the probe re-runs
+    the question's tokens and attends to them in its own forward, and once the prompt's last
+    chunk is stored the cache holds the same keys again, so each question query would read its
+    own span twice. Hidden entries get no mass from this probe."""
+    if not probe.hide_cached:
+        return cache
+    return cache._replace(valid=cache.valid & ~Question(probe.tokens, probe.blocks).span(cache, ctx))
+
+
+@dataclasses.dataclass(frozen=True)
+class LabQuestion(Question):
+    """Question, optionally over the cache without its own span (hide_cached), and reading a draft
+    "interleaved": two forwards, the draft's even then its odd positions masked again, their
+    masses averaged."""
+
+    hide_cached: bool = False
+    draft_probe: str = "tokens"  # tokens | interleaved
+
+    def view(self, cache, ctx):
+        return hide_question(self, cache, ctx)
+
+    def answers(self, answer: jax.Array, mask_id: int) -> list:
+        if self.draft_probe != "interleaved":
+            return [answer]
+        parity = jnp.arange(answer.shape[1])[None] % 2
+        return [jnp.where(parity == p, mask_id, answer) for p in (0, 1)]
+
+
+@dataclasses.dataclass(frozen=True)
+class LabQuestionLookahead(QuestionLookahead):
+    """QuestionLookahead whose question forward hides the question's cached copy (hide_cached) or
+    carries the mask blocks after it (with_masks: Question's forward, / blocks)."""
+
+    hide_cached: bool = False
+    with_masks: bool = False
+
+    def question_mass(self, cache, ctx):
+        if self.with_masks:
+            probe = LabQuestion(self.tokens, self.blocks, self.pool, hide_cached=self.hide_cached)
+            return probe.mass(cache, ctx) / self.blocks
+        return super().question_mass(hide_question(self, cache, ctx), ctx)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,23 +160,23 @@ class LabQuestionAware(QuestionAwareMaskAhead):
     draft_capacity_pct: float = 0.0
 
     def question_probe(self):
-        return dataclasses.replace(super().question_probe(), hide_cached=self.hide_question == "all",
-                                   draft_probe=self.draft_probe)
+        return extend(LabQuestion, super().question_probe(), hide_cached=self.hide_question == "all",
+                      draft_probe=self.draft_probe)
 
     def block_probe(self):
-        return dataclasses.replace(super().block_probe(), hide_cached=self.hide_question != "none",
-                                   with_masks=self.question_masks)
+        return extend(LabQuestionLookahead, super().block_probe(), hide_cached=self.hide_question != "none",
+                      with_masks=self.question_masks)
 
     def bounded(self, probe):
-        return dataclasses.replace(super().bounded(probe), slack=self.prefill_slack,
-                                   defer_final_chunk=self.defer_final_chunk, budget=self.prefill_budget)
+        return extend(LabBoundedPrefill, super().bounded(probe), slack=self.prefill_slack,
+                      defer_final_chunk=self.defer_final_chunk, budget=self.prefill_budget)
 
     @property
     def eviction(self):
         ev = super().eviction
         if ev is None or self.question_tokens <= 0:
             return ev
-        sched = dataclasses.replace(ev.schedule, step0_weight=self.step0_weight)
+        sched = extend(LabDeferred, ev.schedule, step0_weight=self.step0_weight)
         if self.first_block_probe == "question":
             sched = dataclasses.replace(sched, first_probe=self.question_probe())
         return dataclasses.replace(ev, schedule=sched)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from experiments.qa_lab import LabQuestionAware as Lab  # the lab knobs' plugin (registers its names)
+from experiments.qa_lab import LabDeferred, LabQuestion, LabQuestionLookahead
 from maskahead_jax.config import GenerationConfig
 from maskahead_jax.generate import BudgetWarning, generate
 from maskahead_jax.policies import MaskAhead, PolicyError, QuestionAwareMaskAhead, StepContext, make
@@ -83,7 +84,7 @@ def test_question_masks_probe_forwards_the_question_with_its_mask_blocks():
                       n_pre=jnp.asarray([16, 8]), block_size=4, mask_id=3, capacity=N,
                       active=jnp.asarray([True, True]), tokens=jnp.full((2, 4), 3, jnp.int32),
                       start=jnp.asarray([24, 16], jnp.int32))
-    got = np.asarray(QuestionLookahead(5, 3, 2.5, with_masks=True).mass(None, ctx))
+    got = np.asarray(LabQuestionLookahead(5, 3, 2.5, with_masks=True).mass(None, ctx))
     toks, pos = calls[1]
     assert toks.shape == (2, 5 + 2 * 4) and (toks[:, 5:] == 3).all()  # question + 2 mask blocks
     assert pos[0].tolist() == list(range(15, 20 + 8)) and pos[1].tolist() == list(range(8, 13 + 8))
@@ -120,8 +121,8 @@ def test_hidden_question_probe_reads_no_cached_copy_of_the_question():
                       start=jnp.asarray([24, 16], jnp.int32))
     question = (np.arange(N)[None] >= np.asarray(plen)[:, None] - 5) & (np.arange(N)[None] < np.asarray(plen)[:, None])
     want = np.asarray(cache.valid) & ~question[None, :, None, :]
-    Question(5, 3, hide_cached=True).mass(cache, ctx)
-    QuestionLookahead(5, 3, 2.0, hide_cached=True).mass(cache, ctx)
+    LabQuestion(5, 3, hide_cached=True).mass(cache, ctx)
+    LabQuestionLookahead(5, 3, 2.0, hide_cached=True).mass(cache, ctx)
     Question(5, 3).mass(cache, ctx)
     assert np.array_equal(seen[0], want)  # Question: question + mask blocks, question hidden
     assert np.array_equal(seen[1], np.asarray(cache.valid))  # the lookahead's blocks read all
@@ -131,8 +132,8 @@ def test_hidden_question_probe_reads_no_cached_copy_of_the_question():
     assert ev.schedule.probe.hide_cached and ev.prefill.probe.hide_cached
     ev = Lab(**SMALL, hide_question="blocks").eviction
     assert ev.schedule.probe.hide_cached and not ev.prefill.probe.hide_cached
-    ev = QuestionAwareMaskAhead(**SMALL).eviction
-    assert not ev.schedule.probe.hide_cached and not ev.prefill.probe.hide_cached
+    ev = QuestionAwareMaskAhead(**SMALL).eviction  # the product's probes have no such knob
+    assert not hasattr(ev.schedule.probe, "hide_cached") and not hasattr(ev.prefill.probe, "hide_cached")
 
 
 def test_question_pool_max_reaches_the_question_forwards_only():
@@ -153,7 +154,7 @@ def test_question_pool_max_reaches_the_question_forwards_only():
     assert ev.prefill.probe.pool == "max" and ev.schedule.probe.pool == "max"
     ev.prefill.probe.mass(None, ctx)
     ev.schedule.probe.mass(None, ctx)
-    dataclasses.replace(ev.schedule.probe, with_masks=True).mass(None, ctx)
+    LabQuestionLookahead(**dataclasses.asdict(ev.schedule.probe), with_masks=True).mass(None, ctx)
     QuestionAwareMaskAhead(**SMALL).eviction.schedule.probe.mass(None, ctx)
     assert pools == ["max", "mean", "max", "mean", "max", "mean", "mean"]
 
@@ -192,7 +193,7 @@ def test_question_probe_reads_a_draft_in_its_answer_blocks():
     calls.clear()
     outs = iter([jnp.full((1, 2, 1, 8), 2.0), jnp.full((1, 2, 1, 8), 4.0)])
     ctx = StepContext(**dict(base, forward=lambda *a: (forward(*a), next(outs))[1]), draft=short)
-    got = Question(5, 3, draft=True, draft_probe="interleaved").mass(None, ctx)
+    got = LabQuestion(5, 3, draft=True, draft_probe="interleaved").mass(None, ctx)
     assert len(calls) == 2 and np.allclose(np.asarray(got), 3.0 * 3)  # mean of 2 and 4, times blocks
     (even, pe, _), (odd, po, _) = calls
     assert even[0, 5:].tolist() == [3, 51, 3, 3, 3, 3, 3, 3] and odd[0, 5:].tolist() == [50, 3, 52, 3, 3, 3, 3, 3]
@@ -281,18 +282,20 @@ def test_q_maskahead_draft_is_q_maskahead_qa_with_a_96_token_draft_and_mean_max_
     assert pol.eviction.prefill.probe.pool == pol.eviction.schedule.probe.pool == "mean+max"
     qa = make("q-maskahead-qa", 20, draft_tokens=96, question_pool="mean+max")
     assert pol.eviction == qa.eviction and pol.selector == qa.selector
-    assert pol.eviction.prefill.probe.draft_probe == "tokens"
-    lab = make("q-maskahead-draft-lab", 20, draft_probe="interleaved")  # experiments/qa_lab.py
+    assert not hasattr(pol.eviction.prefill.probe, "draft_probe")  # a lab knob (experiments/qa_lab.py)
+    lab = make("q-maskahead-draft-lab", 20, draft_probe="interleaved")
     assert lab.eviction.prefill.probe.draft_probe == "interleaved" and lab.label == "q-maskahead-draft-lab"
-    assert dataclasses.replace(make("q-maskahead-draft-lab", 20), storage=pol.storage).eviction == pol.eviction
+    lab0 = dataclasses.replace(make("q-maskahead-draft-lab", 20), storage=pol.storage).eviction
+    for part, want in ((lab0.prefill.probe, pol.eviction.prefill.probe), (lab0.schedule.probe, pol.eviction.schedule.probe)):
+        assert isinstance(part, type(want)) and all(getattr(part, f.name) == getattr(want, f.name)
+                                                    for f in dataclasses.fields(want))
 
 
 def test_step0_weight_scales_the_block_evictions_step0_mass():
-    """Eviction.step0_weight w: a block eviction with step-0 mass M keeps what the released rule
+    """LabDeferred.step0_weight w (experiments/qa_lab.py): a block eviction with step-0 mass M keeps what the released rule
     (w = 1) keeps with mass w x M; w = 0 ranks by the probe alone. `step0_weight` reaches it."""
     from maskahead_jax.cache.float_cache import empty
     from maskahead_jax.policies.eviction import Budget, ForcedKeeps
-    from maskahead_jax.policies.schedules import Deferred
     from maskahead_jax.policies.scorers import ValueScore
 
     L, B, H, N, D = 2, 2, 2, 40, 8
@@ -313,7 +316,7 @@ def test_step0_weight_scales_the_block_evictions_step0_mass():
 
     def kept(w, m):
         ev = Eviction(Budget(pct=25.0, floor=4), ValueScore(), ForcedKeeps(sinks=0, recent=0),
-                      Deferred(1, FixedProbe(), step0_weight=w))
+                      LabDeferred(1, FixedProbe(), step0_weight=w))
         ctx = StepContext(forward=None, prompt=None, plen=None, n_pre=None, block_size=4, mask_id=0,
                           capacity=N, active=jnp.ones((B,), bool), due=jnp.ones((B,), bool), mass=m)
         out, done, _ = ev.at_block(cache, ctx)
@@ -325,7 +328,7 @@ def test_step0_weight_scales_the_block_evictions_step0_mass():
     assert not np.array_equal(kept(0.0, mass), kept(1.0, mass))
     assert Lab(**SMALL, step0_weight=0.0).eviction.schedule.step0_weight == 0.0
     first = Lab(**SMALL, first_block_probe="question")
-    assert first.eviction.schedule.first_probe == first.eviction.prefill.probe == Question(128, 3)
+    assert first.eviction.schedule.first_probe == first.eviction.prefill.probe == LabQuestion(128, 3)
     assert first.first_block_special and not QuestionAwareMaskAhead(**SMALL).first_block_special
 
 
@@ -547,6 +550,9 @@ def test_prefill_slack_keeps_more_while_prefilling_and_nothing_more_after():
                                                                        bounded_prefill=False))
     assert [list(t) for t in runs[100.0].tokens] == [list(t) for t in released.tokens]
     assert runs[100.0].stats["kv_bytes_peak"] == released.stats["kv_bytes_peak"]
+    product = generate(m, prompts, gc, policy=QuestionAwareMaskAhead(**SMALL, question_tokens=12))
+    assert [list(t) for t in runs[1.0].tokens] == [list(t) for t in product.tokens]  # lab defaults = product
+    assert runs[1.0].stats["kv_bytes_peak"] == product.stats["kv_bytes_peak"]
     with pytest.raises(PolicyError, match="prefill_slack must be >= 1"):
         generate(m, prompts, gc, policy=Lab(**SMALL, prefill_slack=0.5))
 

@@ -211,7 +211,7 @@ class Eviction:
         return self.schedule.interval_blocks
 
     def prefill_capacity(self, seen):
-        """What bounded prefill keeps: slack x C(seen) (C(seen) itself without bounded prefill)."""
+        """What a row keeps at most while prefilling: bounded prefill's bound (C(seen) without it)."""
         return self.budget.capacity(seen) if self.prefill is None else self.prefill.capacity(self.budget, seen)
 
     # ---------------------------------------------------------------- schedule

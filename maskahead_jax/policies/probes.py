@@ -116,18 +116,6 @@ class PromptWindow:
         return ctx.forward(cache, toks, idx.astype(jnp.int32), jnp.zeros((b, w, w), bool), rows)
 
 
-def _hide_question(probe, cache, ctx: StepContext):
-    """The cache without the question's own entries when `probe.hide_cached`. The probe re-runs
-    the question's tokens and attends to them in its own forward; once the prompt's last chunk
-    is stored the cache holds the same keys again, so each question query reads its own span
-    twice. Hidden entries get no mass from this probe (a lookahead's mask blocks still read
-    them). Measured to lose the long answer when bounded prefill's probe hides them: that probe
-    is then the only thing that could keep the question (docs/results.md §2c-3)."""
-    if not probe.hide_cached:
-        return cache
-    return cache._replace(valid=cache.valid & ~Question(probe.tokens, probe.blocks).span(cache, ctx))
-
-
 def _question(ctx: StepContext, q: int):
     """The prompt's last q tokens and their positions [B, q] (clipped at 0 for shorter prompts)."""
     qpos = jnp.maximum(ctx.plen[:, None] - q + jnp.arange(q)[None], 0).astype(jnp.int32)
@@ -138,16 +126,20 @@ def _question(ctx: StepContext, q: int):
 class Question:
     tokens: int = 64
     blocks: int = 4
-    hide_cached: bool = False  # the probe reads its own question, not the cached copy too
     pool: str = "mean"  # how its rows' attention is pooled: reference.POOLS (pool_rows)
     draft: bool = False  # the answer blocks open with ctx.draft (a first pass's answer), if any
-    # "tokens": the draft's tokens as they are; "interleaved": two forwards, the draft's even
-    # then its odd positions masked again, their masses averaged: every drafted position is
-    # asked for by a mask query (what a block's masks read while it is half written)
-    draft_probe: str = "tokens"
+
+    def view(self, cache, ctx: StepContext):
+        """The cache the probe reads (all of it; a lab variant hides the question's own entries)."""
+        return cache
+
+    def answers(self, answer: jax.Array, mask_id: int) -> list:
+        """The answer blocks' tokens [B, n] of each forward (one: masks, or the draft then masks);
+        the masses of several are averaged."""
+        return [answer]
 
     def mass(self, cache, ctx: StepContext) -> jax.Array:
-        cache = _hide_question(self, cache, ctx)
+        cache = self.view(cache, ctx)
         plen = ctx.plen
         b = plen.shape[0]
         q, bs, m = self.tokens, ctx.block_size, self.blocks
@@ -161,10 +153,7 @@ class Question:
         if with_draft:
             answer = answer.at[:, :ctx.draft.shape[1]].set(ctx.draft.astype(jnp.int32))
         pos = jnp.concatenate([qpos, mpos], 1)
-        answers = [answer]
-        if with_draft and self.draft_probe == "interleaved":
-            parity = jnp.arange(n_ans)[None] % 2
-            answers = [jnp.where(parity == p, ctx.mask_id, answer) for p in (0, 1)]
+        answers = self.answers(answer, ctx.mask_id) if with_draft else [answer]
         mass = 0.0
         for ans in answers:
             toks = jnp.concatenate([qtok, ans], 1)
@@ -188,17 +177,11 @@ class QuestionLookahead:
     tokens: int = 128
     blocks: int = 4
     weight: float = 4.0
-    hide_cached: bool = False  # as Question.hide_cached, for the question's queries
-    with_masks: bool = False  # the question forward carries blocks - 1 mask blocks (Question's)
     pool: str = "mean"  # how the question forward's rows are pooled (Question.pool)
     forwards: int = 2  # probe forwards per eviction (the engine's count)
 
     def question_mass(self, cache, ctx: StepContext) -> jax.Array:
-        """[L, B, Hkv, N] the mass of the question's own queries (no mask blocks), or with
-        `with_masks` of the question and the mask blocks after it (Question's forward, / blocks)."""
-        if self.with_masks:
-            return Question(self.tokens, self.blocks, self.hide_cached, self.pool).mass(cache, ctx) / self.blocks
-        cache = _hide_question(self, cache, ctx)
+        """[L, B, Hkv, N] the mass of the question's own queries (no mask blocks)."""
         q, b = self.tokens, ctx.plen.shape[0]
         qtok, qpos = _question(ctx, q)
         rows = jnp.broadcast_to(ctx.active[:, None], (b, q))

@@ -3,9 +3,9 @@
   Deferred        MaskAhead's (the released `lookahead` policy): after the prompt (due at step 0
                   of the first block) and, with interval_blocks > 0, at step 0 of the block
                   after every interval_blocks blocks, ranked with that block's real step-0
-                  queries (x step0_weight) and its probe; first_probe replaces the probe at the
-                  first block (the question probe), pin_first pins its span there, pin_probe
-                  pins the probe's span at every block eviction
+                  queries and its probe; first_probe replaces the probe at the first block (the
+                  question probe), pin_first pins its span there, pin_probe pins the probe's
+                  span at every block eviction
   EndOfBlock      the released StreamingLLM, H2O, CAOTE, EA, SnapKV (session.end_prefill_chunk /
                   end_block): the prompt is compressed at its final prefill chunk, to C(tokens
                   seen before that chunk), before the chunk is admitted (the chunk survives
@@ -14,25 +14,22 @@
                   forward's append. No step-0 statistics exist there: a scorer that ranks by
                   them is refused (eviction.Eviction)
   BoundedPrefill  also evict after every stored prefill chunk, ranked with `probe` (or without
-                  one), its span pinned when `pin`, keeping slack x C(seen) (budget="seen") or
-                  slack x C(whole prompt) from the first chunk on (budget="prompt");
-                  defer_final_chunk leaves the prompt's final chunk to the first block
+                  one), its span pinned when `pin`, keeping C(seen so far)
 
 Each strategy is a small frozen dataclass whose methods take the eviction part (`ev`: budget,
 scorer, keeps, allocation) and the cache; eviction.Eviction holds one schedule and an optional
-BoundedPrefill and forwards the engine's hooks to them.
+BoundedPrefill and forwards the engine's hooks to them. A variant refines one method: the lab's
+(experiments/qa_lab.py) weight the step-0 mass (`Deferred.step0_mass`) or bound prefill
+differently (`BoundedPrefill.capacity` / `bound`).
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 
-from .budgets import guarded
-from .errors import PolicyError
 
 
 def _none_due(cache) -> jax.Array:
@@ -46,7 +43,6 @@ class Deferred:
     first_probe: Any = None  # replaces `probe` at the first block
     pin_first: bool = False
     pin_probe: bool = False  # pin probe.span(...) at every block eviction
-    step0_weight: float = 1.0  # block evictions rank by step0_weight x step-0 mass + probe mass
 
     deferred: ClassVar[bool] = True
 
@@ -63,6 +59,11 @@ class Deferred:
         due = (blocks_done % self.interval_blocks) == 0
         return due & (cache.length > ev.budget.capacity(cache.seen))
 
+    def step0_mass(self, ctx):
+        """[L, B, Hkv, N] the step-0 mass a block eviction adds to its probe's (the released rule:
+        the block's own step-0 mass as it is)."""
+        return ctx.mass
+
     def at_block(self, ev, cache, ctx):
         """(cache in ctx.capacity slots, evicted, probe forwards) at step 0 of a block."""
         rows = ctx.due & ctx.active
@@ -70,9 +71,7 @@ class Deferred:
         probe = self.first_probe if (ctx.first and self.first_probe is not None) else self.probe
         pin = (ctx.first and self.first_probe is not None and self.pin_first) or (
             self.pin_probe and probe is self.probe and probe is not None)
-        mass0 = ctx.mass
-        if self.step0_weight != 1.0 and mass0 is not None:
-            mass0 = self.step0_weight * mass0
+        mass0 = self.step0_mass(ctx)
 
         def evict(c):
             pm = probe.mass(c, ctx) if probe is not None else None
@@ -104,6 +103,11 @@ class EndOfBlock:
 
     def due_after_block(self, ev, blocks_done, cache) -> jax.Array:
         return _none_due(cache)
+
+    def step0_mass(self, ctx):
+        """[L, B, Hkv, N] the step-0 mass a block eviction adds to its probe's (the released rule:
+        the block's own step-0 mass as it is)."""
+        return ctx.mass
 
     def at_block(self, ev, cache, ctx):
         return cache.resize(ctx.capacity), jnp.bool_(False), jnp.int32(0)
@@ -145,41 +149,24 @@ class EndOfBlock:
         return jax.lax.cond(jnp.any(rows), compress, lambda c: c, cache)
 
 
-PREFILL_BUDGETS = ("seen", "prompt")
-
-
 @dataclasses.dataclass(frozen=True)
 class BoundedPrefill:
     probe: Any = None  # None: rank without one (e.g. by position)
     pin: bool = False  # keep the probe's span (the question)
-    slack: float = 1.0  # keep slack x C(seen): room for what no probe asks for yet
-    defer_final_chunk: bool = False  # leave the prompt's final chunk to the first block
-    budget: str = "seen"  # C(seen so far) | C(whole stored prompt) from the first chunk on
-
-    def __post_init__(self):
-        if not self.slack >= 1.0:
-            raise PolicyError(f"prefill_slack must be >= 1 (a multiple of C(seen)), got {self.slack}")
-        if self.budget not in PREFILL_BUDGETS:
-            raise PolicyError(f"prefill_budget must be seen|prompt, got {self.budget!r}")
 
     def capacity(self, budget, seen):
-        """slack x C(seen) (C(seen) itself at slack 1)."""
-        c = budget.capacity(seen)
-        if self.slack == 1.0:
-            return c
-        if isinstance(seen, int):
-            return int(math.floor(guarded(self.slack * c)))
-        return jnp.floor(guarded(self.slack * c.astype(jnp.float32))).astype(jnp.int32)
+        """The most entries a row keeps while prefilling, having seen `seen` tokens (the engine
+        sizes the prefill buffers by it): C(seen)."""
+        return budget.capacity(seen)
+
+    def bound(self, ev, cache, ctx):
+        """([B] entries each row keeps after this chunk, [B] rows over it)."""
+        cap = self.capacity(ev.budget, cache.seen)
+        return cap, cache.length > cap
 
     def at_chunk(self, ev, cache, ctx):
         """After a stored prefill chunk: rows over their bound are compacted into ctx.capacity."""
-        # "prompt": the budget the whole prompt will have (its stored prefix, n_pre) from the first
-        # chunk on, so early chunks are not ranked against a C(seen) a fraction of the final one
-        seen = cache.seen if self.budget == "seen" else jnp.maximum(cache.seen, ctx.n_pre)
-        cap = self.capacity(ev.budget, seen)
-        over = cache.length > cap
-        if self.defer_final_chunk:  # the first block's eviction (lookahead + question) ranks it
-            over = over & (ctx.start + ctx.appended < ctx.n_pre)
+        cap, over = self.bound(ev, cache, ctx)
         keep = jnp.where(over, cap, cache.length)
 
         def evict(c):
