@@ -73,17 +73,22 @@ def main(argv=None):
     ap.add_argument("--compare", nargs="+", default=None, metavar="RESULTS",
                     help="compare --results files on the examples they share (paired sign test of "
                          "each file against the first, overall and per changed cell) and exit")
+    ap.add_argument("--rope-scaling", default=None,
+                    help="replace the model's RoPE scaling, e.g. yarn:4:2048 (TYPE:FACTOR[:ORIGINAL]; none: plain)")
+    ap.add_argument("--max-positions", type=int, default=None,
+                    help="the model's position limit (with --rope-scaling: default factor x original)")
     ap.add_argument("--update-readme", action="store_true",
                     help="write the results into the '## Measured scores' section of the model's README.md")
     args = ap.parse_args(argv)
     if args.compare:
         print(json.dumps(compare_results(args.compare), indent=1))
         return
+    rope = dict(rope_scaling=args.rope_scaling, max_position_embeddings=args.max_positions)
     if args.engine == "reference":
-        model_or_ref = load_pretrained(args.model, dtype="float32")
+        model_or_ref = load_pretrained(args.model, dtype="float32", **rope)
         cfg = model_or_ref.config
     else:
-        model = load_pretrained(args.model)
+        model = load_pretrained(args.model, **rope)
         cfg = model.config
         model_or_ref = (model,
                         make_policy(args.policy, None if args.policy == "dense" else args.capacity,
@@ -96,6 +101,8 @@ def main(argv=None):
            "n_per_cell": args.n, "cells": {}, "summary": {}}
     settings = {k: out[k] for k in ("model", "engine", "policy", "capacity", "n_per_cell")}
     settings.update(policy_kw=args.policy_kw, threshold=args.threshold, seed=args.seed)
+    if cfg.rope_scaling is not None or args.max_positions:  # (absent: results written before the flag)
+        out["rope_scaling"] = settings["rope_scaling"] = repr(cfg.rope_scaling)
     done = load_results(args.results, settings)
     for task in args.tasks.split(","):
         tot = []

@@ -61,6 +61,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -110,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--head-dim", type=int, default=None, help="default: --d-model / --heads")
     ap.add_argument("--ffn", type=int, default=384)
     ap.add_argument("--rope-theta", type=float, default=10000.0)
+    ap.add_argument("--rope-scaling", default=None,
+                    help="RoPE scaling the model trains and exports with, TYPE:FACTOR[:ORIGINAL] (e.g. "
+                         "yarn:4:2048: YaRN's frequencies and attention temperature; docs/rope.md)")
     ap.add_argument("--max-positions", type=int, default=MAX_POSITIONS,
                     help="max_position_embeddings of the config and export (generate refuses prompts "
                          "whose prompt + new tokens + a block pass it)")
@@ -314,10 +318,11 @@ def resume_from_state(args, cfg, state, opt, log_path):
               flush=True)
         return state, 0
     saved = meta.get("config") or {}
-    for k in ("rope_theta", "max_position_embeddings", "logits_shift"):
-        if k in saved and saved[k] != getattr(cfg, k):
+    now = json.loads(json.dumps(dataclasses.asdict(cfg)))  # as the state's meta stores it
+    for k in ("rope_theta", "max_position_embeddings", "logits_shift", "rope_scaling"):
+        if k in saved and saved[k] != now[k]:
             print(f"warning: --resume-state {d} was trained with {k}={saved[k]}, this run has "
-                  f"{getattr(cfg, k)}", flush=True)
+                  f"{now[k]}", flush=True)
     warm_from = 0
     if opt_state is None:
         opt_state, warm_from = opt.init(params), step

@@ -92,3 +92,25 @@ def test_reference_engine_is_the_library_reference_decoder(capsys):
         cells[engine] = json.loads(capsys.readouterr().out)["cells"]
     assert cells["reference"] == cells["cached"]
     assert "greedy_answers" not in vars(eval_testbed)  # no decoder of its own
+
+
+def test_rope_scaling_flag_evaluates_the_export_under_that_scaling(tmp_path, capsys):
+    """--rope-scaling yarn:F:ORIG (and --max-positions) load the export with that RoPE scaling: it
+    is recorded in the JSON and in --results' settings (a file written without it is refused),
+    and it changes what the model reads (YaRN x4 over 64 positions differs from plain RoPE at 160)."""
+    from experiments.eval_testbed import main
+
+    res = tmp_path / "cells.jsonl"
+    base = ["--tasks", "passkey", "--lengths", "160", "--depths", "0.5", "--n", "2", "--show", "2"]
+    main(base + ["--results", str(res)])
+    plain = capsys.readouterr()
+    main(base + ["--rope-scaling", "yarn:4:64", "--max-positions", "8192", "--results", str(tmp_path / "y.jsonl")])
+    yarn = capsys.readouterr()
+    out = json.loads(yarn.out)
+    assert "type='yarn'" in out["rope_scaling"] and "factor=4.0" in out["rope_scaling"]
+    assert json.loads((tmp_path / "y.jsonl").read_text().splitlines()[0])["rope_scaling"] == out["rope_scaling"]
+    assert "rope_scaling" not in json.loads(plain.out)
+    shown = lambda err: [l for l in err.splitlines() if " | " in l]  # --show's reference | prediction
+    assert shown(plain.err) and shown(plain.err) != shown(yarn.err)
+    with pytest.raises(SystemExit, match="other settings"):
+        main(base + ["--rope-scaling", "yarn:4:64", "--max-positions", "8192", "--results", str(res)])

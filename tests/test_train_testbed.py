@@ -250,13 +250,18 @@ def test_train_step_lowers_loss_on_a_fixed_batch(tok):
     assert np.isfinite(losses).all() and losses[-1] < losses[0]
 
 
-@pytest.mark.parametrize("tied,layout,shift", [(True, "qwen3", False), (False, "qwen3", True),
-                                               (True, "qwen2", True)])
-def test_export_reads_back_through_converter(tmp_path, tied, layout, shift):
-    """Every layout make_config builds (SDAR's qwen3, Fast-dLLM v2's qwen2) comes back from
-    load_pretrained as the same config and (to bfloat16 precision) the same function."""
-    args = _args(untied=not tied, layout=layout, logits_shift=shift)
+@pytest.mark.parametrize("tied,layout,shift,rope", [(True, "qwen3", False, None), (False, "qwen3", True, None),
+                                                    (True, "qwen2", True, None), (True, "qwen3", True, "yarn:4:64")])
+def test_export_reads_back_through_converter(tmp_path, tied, layout, shift, rope):
+    """Every layout make_config builds (SDAR's qwen3, Fast-dLLM v2's qwen2), and a --rope-scaling
+    run's YaRN (trained and exported with it; the positions stay --max-positions), comes back
+    from load_pretrained as the same config and (to bfloat16 precision) the same function."""
+    args = _args(untied=not tied, layout=layout, logits_shift=shift, rope_scaling=rope, max_positions=1024)
     cfg = config.make_config(args, 1536)
+    if rope:
+        s = cfg.rope_scaling
+        assert (s.type, s.factor, s.original_max_position_embeddings) == ("yarn", 4.0, 64)
+        assert cfg.max_position_embeddings == 1024
     params = init_params(cfg, jax.random.PRNGKey(1))
     out = export.export_hf(params, cfg, str(tmp_path))
     model = load_pretrained(out)

@@ -1,10 +1,11 @@
 """The testbed's ModelConfig from the command line's shape flags (--layers, --d-model, --heads,
---kv-heads, --head-dim, --ffn, --rope-theta, --max-positions, --layout, --logits-shift, --untied,
---no-qk-norm)."""
+--kv-heads, --head-dim, --ffn, --rope-theta, --rope-scaling, --max-positions, --layout,
+--logits-shift, --untied, --no-qk-norm)."""
 from __future__ import annotations
 
 from maskahead_jax import tasks as T
 from maskahead_jax.config import ModelConfig
+from maskahead_jax.model.rope import with_rope
 
 from .data import BLOCK
 
@@ -31,5 +32,9 @@ def make_config(args, vocab: int) -> ModelConfig:
         commit_rule="dynamic", threshold=THRESHOLD,
         max_position_embeddings=getattr(args, "max_positions", None) or MAX_POSITIONS)
     if getattr(args, "layout", "qwen3") == "qwen2":
-        return ModelConfig(family="fast_dllm_v2", layout="qwen2", qk_norm=False, qkv_bias=True, **common)
-    return ModelConfig(family="sdar", layout="qwen3", qk_norm=not getattr(args, "no_qk_norm", False), **common)
+        cfg = ModelConfig(family="fast_dllm_v2", layout="qwen2", qk_norm=False, qkv_bias=True, **common)
+    else:
+        cfg = ModelConfig(family="sdar", layout="qwen3", qk_norm=not getattr(args, "no_qk_norm", False), **common)
+    if getattr(args, "rope_scaling", None):  # e.g. yarn:4:2048; the positions stay --max-positions
+        cfg = with_rope(cfg, rope_scaling=args.rope_scaling, max_position_embeddings=common["max_position_embeddings"])
+    return cfg

@@ -1,13 +1,20 @@
 #!/usr/bin/env bash
-# Stage 32 (issue 53): long positions from short windows on the CPU, in the background.
+# Stages 32-33 (issue 53): long positions from short windows on the CPU, in the background.
 # Starts the run, or resumes it where its last checkpoint left it (the same command every time;
 # a session's end kills the process, the next session runs this again). Niced (19), so it takes
-# only the CPU time nobody else wants. docs/testbed_history.md, "Stage 32", says what and why.
+# only the CPU time nobody else wants. docs/testbed_history.md, "Stage 32" / "Stage 33", says
+# what and why.
 #
-#   bash experiments/testbed/train_long_cpu.sh          # start / resume; prints the pid
-#   tail -f ~/.cache/maskahead-jax/tb-long/log.txt      # progress, [eval] lines
+#   bash experiments/testbed/train_long_cpu.sh          # stage 33 (the running one): start / resume
+#   STAGE=32 bash experiments/testbed/train_long_cpu.sh # stage 32 as it ran (PoSE, plain RoPE)
+#   tail -f ~/.cache/maskahead-jax/tb-yarn/log.txt      # progress, [eval] lines
 #
-# State (never in the work tree): $TB_LONG_DIR (default ~/.cache/maskahead-jax/tb-long):
+# Stage 33 is stage 32's flags plus YaRN (x16 over 2048 positions: the frequencies and attention
+# temperature the export then carries in its config.json) and the long answer in the probe; its
+# first start copies stage 32's portable state (tb-long/state) and continues from it.
+#
+# State (never in the work tree): $TB_LONG_DIR (default ~/.cache/maskahead-jax/tb-yarn, stage
+# 32's tb-long):
 #   run/ckpt/          orbax checkpoints (every 10 training minutes; the two newest kept)
 #   run/metrics.jsonl  loss every 5 steps, held-out evals ({"eval": ..., "eval_L": 512|4096|8192})
 #   state/             the portable state (params.npz, opt.npz, metrics.jsonl) at every checkpoint
@@ -16,14 +23,25 @@
 # Extra arguments are appended to train_testbed.py's (e.g. --wall-minutes 100).
 set -eu
 cd "$(dirname "$0")/../.."
-D=${TB_LONG_DIR:-$HOME/.cache/maskahead-jax/tb-long}
+STAGE=${STAGE:-33}
 PY=${PYTHON:-.venv/bin/python}
+case "$STAGE" in
+  32) D=${TB_LONG_DIR:-$HOME/.cache/maskahead-jax/tb-long}; EXTRA=(--eval-tasks passkey,multikey --minutes 480) ;;
+  33) D=${TB_LONG_DIR:-$HOME/.cache/maskahead-jax/tb-yarn}
+      EXTRA=(--rope-scaling yarn:16:2048 --eval-tasks passkey,multikey,longanswer --minutes 1200)
+      FROM=${STAGE32_STATE:-$HOME/.cache/maskahead-jax/tb-long/state}
+      if [ ! -f "$D/state/params.npz" ]; then
+        [ -f "$FROM/params.npz" ] || { echo "stage 33 starts from stage 32's state: none at $FROM"; exit 1; }
+        mkdir -p "$D" && cp -r "$FROM" "$D/state" && echo "stage 33: copied stage 32's state from $FROM"
+      fi ;;
+  *) echo "STAGE must be 32 or 33, got $STAGE"; exit 1 ;;
+esac
 mkdir -p "$D"
 if [ -f "$D/pid" ] && ps -p "$(cat "$D/pid")" -o args= 2>/dev/null | grep -q train_testbed; then
   echo "already running: pid $(cat "$D/pid") (log $D/log.txt)"
   exit 0
 fi
-echo "=== $(date -u) start/resume, git $(git rev-parse --short HEAD 2>/dev/null)" >> "$D/log.txt"
+echo "=== $(date -u) stage $STAGE start/resume, git $(git rev-parse --short HEAD 2>/dev/null)" >> "$D/log.txt"
 nohup nice -n 19 "$PY" experiments/train_testbed.py \
   --init-from maskahead_jax/testbed --logits-shift --seed 53 --layers 6 --heads 8 --kv-heads 4 --head-dim 32 \
   --mqar-prob 0.15 --mqar-templates list,sentence,question --copy-prob 0.05 \
@@ -31,10 +49,10 @@ nohup nice -n 19 "$PY" experiments/train_testbed.py \
   --edge-depths 0.2 --answer-mask-prob 0.3 --answer-mask-max-len 32 \
   --stages '0:512|2048|1024|2048|4096:8|2|4|2|1:0.3' \
   --pose-target 32768 --pose-prob 0.75 --pose-min-len 2048 --pose-chunks 3 --max-positions 33280 \
-  --minutes 480 --lr 1e-4 --constant-lr --warmup 30 --gate 0 --log-every 5 \
-  --eval-minutes 30 --eval-lengths 512,4096,8192 --eval-tasks passkey,multikey --eval-n 8 --eval-long-n 4 \
+  --lr 1e-4 --constant-lr --warmup 30 --gate 0 --log-every 5 \
+  --eval-minutes 30 --eval-lengths 512,4096,8192 --eval-n 8 --eval-long-n 4 \
   --ckpt-minutes 10 --export-minutes 60 --final-lengths 4096,8192 --final-n 8 \
   --run-dir "$D/run" --save-state "$D/state" --resume-state "$D/state" --out "$D/export" \
-  "$@" >> "$D/log.txt" 2>&1 &
+  "${EXTRA[@]}" "$@" >> "$D/log.txt" 2>&1 &
 echo $! > "$D/pid"
 echo "pid $! (log $D/log.txt)"
