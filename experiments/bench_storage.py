@@ -9,6 +9,12 @@ each: `make(name, pct)` and `make(name, pct, bits=4)`. One JSON line per policy:
 held at the end and at the peak (per row, summed over the examples) of both runs, their ratios,
 and each run's score on these examples (the suite's own scoring) (a memory benchmark, not an accuracy table:
 docs/results.md has the accuracy rows).
+
+    python experiments/bench_storage.py --head-dim 128 --n 2    # the same shapes at head_dim 128
+
+--head-dim N runs a random model of the testbed's shape but N-wide heads (its answers are noise:
+the rows measure memory only, their scores are not accuracy): the packed format's advantage
+grows with the head width, because the 10 B of eviction state per entry weigh less.
 """
 from __future__ import annotations
 
@@ -55,6 +61,8 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=int, default=2, help="suite examples (tasks in turn, depth 0.5)")
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--policies", default="", help="comma-separated (default: every evicting policy)")
+    ap.add_argument("--head-dim", type=int, default=0,
+                    help="a random model of the testbed's shape with this head width (memory only)")
     a = ap.parse_args(argv)
 
     import maskahead_jax as mj
@@ -63,6 +71,13 @@ def main(argv=None) -> int:
 
     path = os.path.join(_ROOT, "maskahead_jax", "testbed")
     model, tok = mj.load_pretrained(path), load_tokenizer(path)
+    randomized = bool(a.head_dim) and a.head_dim != model.config.head_dim
+    if randomized:
+        import dataclasses
+
+        from maskahead_jax.profile import random_model
+
+        model = random_model(dataclasses.replace(model.config, head_dim=a.head_dim), seed=0)
     tasks = ["docqa", "multikey", "longanswer", "twohop", "passkey"]
     exs = testbed_suite(tasks, [a.length], [0.5], n_per_cell=1, seed=0)[:a.n]
     gen = mj.GenerationConfig(max_new_tokens=max(e.max_new_tokens for e in exs))
@@ -71,6 +86,7 @@ def main(argv=None) -> int:
         flt = _run(model, tok, exs, gen, name, a.pct)
         low = _run(model, tok, exs, gen, name, a.pct, bits=a.bits)
         print(json.dumps(dict(policy=name, pct=a.pct, bits=a.bits, length=a.length, n=len(exs),
+                              head_dim=model.config.head_dim, random_weights=randomized,
                               float=flt, packed=low, ratio_end=round(flt["kv_end"] / low["kv_end"], 3),
                               ratio_peak=round(flt["kv_peak"] / low["kv_peak"], 3),
                               load=os.getloadavg()[0])), flush=True)
