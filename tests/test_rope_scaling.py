@@ -189,6 +189,53 @@ def test_cli_flags(capsys):
     assert len(err) == 1 and "--rope-scaling" in err[0] and "ntk:2" in err[0]
 
 
+def test_dynamic_yarn_is_plain_up_to_the_original_length_and_yarn_of_the_needed_factor_beyond():
+    """dynamic_yarn (ours, the YaRN paper's Dynamic-YaRN): at a length n it is YaRN with factor
+    clip(n / original, 1, factor) (frequencies and attention temperature), so plain RoPE up to
+    the original length; the traced per-forward rule (seq_len 0) equals the static one; the knob
+    parses, survives `load_pretrained`, and an export with it is refused (no transformers type)."""
+    from maskahead_jax.model.rope import hf_fields
+
+    d = RopeScaling("dynamic_yarn", factor=8.0, original_max_position_embeddings=ORIG)
+    yarn = lambda f: RopeScaling("yarn", factor=f, original_max_position_embeddings=ORIG)
+    for n, f in ((40, None), (ORIG, None), (100, 100 / ORIG), (3 * ORIG, 3.0), (20 * ORIG, 8.0)):
+        got, att = static_frequencies(16, 1e4, d, seq_len=n)
+        want, watt = static_frequencies(16, 1e4, yarn(f) if f else None)
+        assert np.array_equal(got, want) and att == pytest.approx(watt)
+        per_forward = rope_tables(_pos(n), 16, 1e4, d)  # seq_len 0: the forward's own length, traced
+        fixed = rope_tables(_pos(n), 16, 1e4, dataclasses.replace(d, seq_len=n))
+        assert _close(per_forward[0], fixed[0], 1e-5) and _close(per_forward[1], fixed[1], 1e-5)  # fp32 rounding
+    assert _close(rope_tables(_pos(3 * ORIG), 16, 1e4, d)[0], rope_tables(_pos(3 * ORIG), 16, 1e4, yarn(3.0))[0], 1e-5)
+    assert parse_scaling("dynamic_yarn:16:2048", 4096) == RopeScaling("dynamic_yarn", 16.0, 2048)
+    assert scaling_from_hf(d.to_hf(), 512) == d
+    cfg = ModelConfig("sdar", "qwen3", 48, 32, 1, 4, 2, 8, 48, rope_scaling=d, mask_token_id=1)
+    assert for_run(cfg, 300).rope_scaling.seq_len == 300
+    with pytest.raises(ConfigError, match="dynamic_yarn is this library's load-time knob"):
+        hf_fields(cfg)
+    model = mj.load_pretrained(TESTBED, rope_scaling="dynamic_yarn:4:2048", max_position_embeddings=8192)
+    assert model.config.rope_scaling == RopeScaling("dynamic_yarn", 4.0, 2048)
+    assert model.config.max_position_embeddings == 8192
+
+
+def test_dynamic_yarn_generates_as_plain_rope_within_the_trained_length():
+    """A run whose (bucketed) prompt plus new blocks fit the original length generates the same
+    tokens under dynamic_yarn as under plain RoPE; one past it generates as YaRN of its own
+    factor (the run's length: the prompt padded to its bucket plus the whole new blocks)."""
+    from tiny import tiny_model
+
+    m = tiny_model("sdar", num_layers=2)
+    gen = mj.GenerationConfig(max_new_tokens=16, stop_at_eos=False)
+    rng = np.random.RandomState(0)
+    short = [list(map(int, rng.randint(4, 40, size=40)))]  # 40 + 16 <= 64
+    long = [list(map(int, rng.randint(4, 40, size=150)))]  # 150 + 16: factor 166 / 64
+    run = lambda prompts, rope: mj.generate(mj.Model(m.config.replace(rope_scaling=rope, max_position_embeddings=1024),
+                                                     m.params), prompts, gen, bucket=8).tokens
+    assert run(short, RopeScaling("dynamic_yarn", 8.0, ORIG)) == run(short, None)
+    n = 152 + 16  # the run's total length: the prompt in its bucket of 8, the whole new blocks (for_run)
+    dyn = run(long, RopeScaling("dynamic_yarn", 8.0, ORIG))
+    assert dyn == run(long, RopeScaling("yarn", n / ORIG, ORIG)) and dyn != run(long, None)
+
+
 def test_generate_fixes_dynamic_rope_at_the_run_length():
     """Every generate core runs under the config `for_run` fixes at the padded prompt plus the
     whole blocks of the run (here 64 + 2 blocks of 8), whatever the core."""

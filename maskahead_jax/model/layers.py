@@ -31,8 +31,8 @@ def rope_tables(positions: jax.Array, cfg_or_dim, theta: Optional[float] = None,
     ang = positions.astype(jnp.float32)[..., None] * inv  # [B, T, rot/2]
     ang = jnp.concatenate([ang, ang], axis=-1)
     cos, sin = jnp.cos(ang), jnp.sin(ang)
-    if att != 1.0:
-        cos, sin = cos * jnp.float32(att), sin * jnp.float32(att)
+    if not (isinstance(att, float) and att == 1.0):  # (traced for dynamic_yarn at its own length)
+        cos, sin = cos * jnp.asarray(att, jnp.float32), sin * jnp.asarray(att, jnp.float32)
     return cos, sin
 
 

@@ -9,9 +9,13 @@ float32). `scaling_from_hf` reads a config dict; `parse_scaling` reads the user 
 
 Types: linear (positions / factor), dynamic (NTK base grown with the sequence length), yarn
 (frequency-wise interpolation + attention temperature), llama3 (Llama 3.1's wavelength bands),
-longrope (per-frequency factors, short / long by sequence length).
+longrope (per-frequency factors, short / long by sequence length), and one of ours that no
+transformers config carries: dynamic_yarn (YaRN with the factor the sequence needs: length /
+original, between 1 and `factor`; the YaRN paper's "Dynamic-YaRN", arXiv 2309.00071 §3.4), so a
+model runs plain RoPE up to its trained length and YaRN x(T / original) beyond. A user knob at
+load time (`rope_scaling="dynamic_yarn:16:2048"`); an export with it is refused (`hf_fields`).
 
-Sequence-length dependent types (dynamic, longrope) read `seq_len`: 0 = the forward's own length
+Sequence-length dependent types (dynamic, longrope, dynamic_yarn) read `seq_len`: 0 = the forward's own length
 (its largest position + 1, as transformers' forward does); > 0 = that fixed length. The cached
 engine fixes it to the run's total length (`for_run`), so every chunk of a run uses one base.
 """
@@ -27,10 +31,11 @@ import numpy as np
 
 from ..config import ConfigError, ModelConfig
 
-ROPE_TYPES = ("linear", "dynamic", "yarn", "llama3", "longrope")
+ROPE_TYPES = ("linear", "dynamic", "yarn", "llama3", "longrope", "dynamic_yarn")
+_YARNS = ("yarn", "dynamic_yarn")
 _PLAIN = (None, "default", "none")
 # fields a type cannot do without (what transformers' validation requires, less those it defaults)
-_REQUIRED = {"linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",),
+_REQUIRED = {"linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",), "dynamic_yarn": ("factor",),
              "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
              "longrope": ("short_factor", "long_factor")}
 # string knob defaults for llama3 (the values of Llama 3.1's release)
@@ -41,15 +46,16 @@ _LLAMA3_LOW, _LLAMA3_HIGH = 1.0, 4.0
 class RopeScaling:
     """One scaled-RoPE setting (hashable: part of the static ModelConfig).
 
-    type: linear | dynamic | yarn | llama3 | longrope.
-    factor: the length multiplier (longrope: only sets the default attention factor).
+    type: linear | dynamic | yarn | llama3 | longrope | dynamic_yarn.
+    factor: the length multiplier (longrope: only sets the default attention factor; dynamic_yarn:
+        the largest one it applies).
     original_max_position_embeddings: the length the model was trained at (dynamic: the config's
         max_position_embeddings, as transformers reads it).
     beta_fast / beta_slow, mscale / mscale_all_dim, truncate: YaRN's ramp and temperature.
     attention_factor: multiplies cos and sin (yarn / longrope); None = the type's default.
     low_freq_factor / high_freq_factor: llama3's wavelength bands.
     short_factor / long_factor: longrope's per-frequency divisors [rot_dim / 2].
-    seq_len: dynamic / longrope: 0 = each forward's own length; > 0 = fixed at this length.
+    seq_len: dynamic / longrope / dynamic_yarn: 0 = each forward's own length; > 0 = fixed at it.
     """
 
     type: str
@@ -99,8 +105,8 @@ class RopeScaling:
 
     @property
     def length_dependent(self) -> bool:
-        """Whether the frequencies depend on the sequence length (dynamic, longrope)."""
-        return self.type in ("dynamic", "longrope")
+        """Whether the frequencies depend on the sequence length (dynamic, longrope, dynamic_yarn)."""
+        return self.type in ("dynamic", "longrope", "dynamic_yarn")
 
     @property
     def extended_length(self) -> int:
@@ -112,11 +118,11 @@ class RopeScaling:
         d: dict[str, Any] = {"rope_type": self.type, "factor": self.factor}
         if self.original_max_position_embeddings and self.type != "dynamic":  # dynamic: max_position_embeddings
             d["original_max_position_embeddings"] = self.original_max_position_embeddings
-        if self.type == "yarn":
+        if self.type in _YARNS:
             d.update(beta_fast=self.beta_fast, beta_slow=self.beta_slow, truncate=self.truncate)
             d.update({k: getattr(self, k) for k in ("mscale", "mscale_all_dim")
                       if getattr(self, k) is not None})
-        if self.type in ("yarn", "longrope") and self.attention_factor is not None:
+        if self.type in ("yarn", "longrope", "dynamic_yarn") and self.attention_factor is not None:
             d["attention_factor"] = self.attention_factor
         if self.type == "llama3":
             d.update(low_freq_factor=self.low_freq_factor, high_freq_factor=self.high_freq_factor)
@@ -131,6 +137,10 @@ def hf_fields(cfg: ModelConfig) -> dict[str, Any]:
     s = cfg.rope_scaling
     if s is None:
         return {}
+    if s.type == "dynamic_yarn":
+        raise ConfigError("rope_scaling dynamic_yarn is this library's load-time knob, not a transformers "
+                          "rope type: export with a static scaling (e.g. yarn) or none, and pass "
+                          "dynamic_yarn when loading")
     out: dict[str, Any] = {"rope_scaling": s.to_hf()}
     if s.type == "dynamic":
         out["max_position_embeddings"] = s.original_max_position_embeddings
@@ -191,11 +201,11 @@ def scaling_from_hf(d: Optional[dict], max_position_embeddings: int, top_origina
     orig = int(orig or 0)
     factor = _number(d, "factor", where)
     if factor is None:  # yarn / longrope: implied by the two lengths
-        if kind not in ("yarn", "longrope"):
+        if kind not in ("yarn", "longrope", "dynamic_yarn"):
             raise ConfigError(f"{where}: factor must be a number, got None")
         factor = max_position_embeddings / orig
     kw: dict[str, Any] = dict(type=kind, factor=factor, original_max_position_embeddings=orig)
-    if kind == "yarn":
+    if kind in _YARNS:
         kw.update(beta_fast=_number(d, "beta_fast", where) or 32.0, beta_slow=_number(d, "beta_slow", where) or 1.0,
                   mscale=_number(d, "mscale", where), mscale_all_dim=_number(d, "mscale_all_dim", where),
                   attention_factor=_number(d, "attention_factor", where))
@@ -318,6 +328,9 @@ def static_frequencies(rot_dim: int, theta: float, s: Optional[RopeScaling],
         return inv.astype(np.float32), 1.0
     if t == "yarn":
         return _yarn(dim, theta, s, base_f)
+    if t == "dynamic_yarn":  # the factor this length needs, at most s.factor
+        orig = s.original_max_position_embeddings
+        return _yarn(dim, theta, dataclasses.replace(s, factor=min(s.factor, max(1.0, (n or orig) / orig))), base_f)
     if t == "llama3":
         return _llama3(s, plain), 1.0
     # longrope
@@ -337,14 +350,17 @@ def _longrope_attention(s: RopeScaling) -> float:
     return math.sqrt(1 + math.log(s.factor) / math.log(s.original_max_position_embeddings))
 
 
-def _yarn(dim: int, theta: float, s: RopeScaling, pos_freqs: np.ndarray) -> tuple[np.ndarray, float]:
-    f = s.factor
+def _yarn_attention(s: RopeScaling, f: float) -> float:
     if s.attention_factor is not None:
-        att = float(s.attention_factor)
-    elif s.mscale and s.mscale_all_dim:
-        att = float(_mscale(f, s.mscale) / _mscale(f, s.mscale_all_dim))
-    else:
-        att = _mscale(f)
+        return float(s.attention_factor)
+    if s.mscale and s.mscale_all_dim:
+        return float(_mscale(f, s.mscale) / _mscale(f, s.mscale_all_dim))
+    return _mscale(f)
+
+
+def _yarn_keep(dim: int, theta: float, s: RopeScaling) -> np.ndarray:
+    """[dim / 2] YaRN's ramp: 1 where a frequency keeps its original value, 0 where it is divided by
+    the factor (independent of the factor)."""
     orig = s.original_max_position_embeddings
     # the dimension whose wavelength makes `rot` turns over the original length
     corr = lambda rot: (dim * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(theta))
@@ -355,10 +371,27 @@ def _yarn(dim: int, theta: float, s: RopeScaling, pos_freqs: np.ndarray) -> tupl
     if low == high:
         high += 0.001
     ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
-    extrap = (np.float32(1) - ramp).astype(np.float32)  # 1: keep the original frequency
+    return (np.float32(1) - ramp).astype(np.float32)
+
+
+def _yarn(dim: int, theta: float, s: RopeScaling, pos_freqs: np.ndarray) -> tuple[np.ndarray, float]:
+    f = s.factor
+    extrap = _yarn_keep(dim, theta, s)  # 1: keep the original frequency
     inv_ext = np.float32(1.0) / pos_freqs
     inv_int = np.float32(1.0) / (np.float32(f) * pos_freqs)
-    return (inv_int * (np.float32(1) - extrap) + inv_ext * extrap).astype(np.float32), att
+    return (inv_int * (np.float32(1) - extrap) + inv_ext * extrap).astype(np.float32), _yarn_attention(s, f)
+
+
+def _dynamic_yarn(dim: int, theta: float, s: RopeScaling, f: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """_yarn with a traced factor f: (inverse frequencies, attention factor as a 0-d array)."""
+    plain = 1.0 / jnp.asarray(np.float32(theta) ** (_arange_f32(dim, 2) / np.float32(dim)))
+    keep = jnp.asarray(_yarn_keep(dim, theta, s))
+    inv = plain / f * (1.0 - keep) + plain * keep
+    if s.attention_factor is not None:
+        return inv, jnp.float32(s.attention_factor)
+    ms = lambda m: jnp.where(f <= 1.0, 1.0, 0.1 * m * jnp.log(f) + 1.0)
+    att = ms(s.mscale) / ms(s.mscale_all_dim) if (s.mscale and s.mscale_all_dim) else ms(1.0)
+    return inv, att.astype(jnp.float32)
 
 
 def _llama3(s: RopeScaling, inv: np.ndarray) -> np.ndarray:
@@ -384,6 +417,8 @@ def frequencies(positions: jax.Array, rot_dim: int, theta: float,
         return jnp.asarray(inv), att
     length = jnp.max(positions).astype(jnp.int32) + 1
     orig = s.original_max_position_embeddings
+    if s.type == "dynamic_yarn":  # the factor this forward's length needs (traced)
+        return _dynamic_yarn(rot_dim, theta, s, jnp.clip(length.astype(jnp.float32) / orig, 1.0, s.factor))
     if s.type == "longrope":
         short, att = static_frequencies(rot_dim, theta, s, seq_len=orig)
         long, _ = static_frequencies(rot_dim, theta, s, seq_len=orig + 1)
