@@ -766,16 +766,26 @@ def test_eval_plan_flags():
 
 
 def test_long_cpu_script_command_parses():
-    """experiments/testbed/train_long_cpu.sh (stage 32) runs train_testbed.py with flags that parse
-    and pass the startup checks: skip-wise positions to 32768, an export that takes 32768-token
-    prompts, the held-out probe at 4096 and 8192."""
+    """experiments/testbed/train_long_cpu.sh (stages 32 and 33) runs train_testbed.py with flags
+    that parse and pass the startup checks: skip-wise positions to 32768, an export that takes
+    32768-token prompts, the held-out probe at 4096 and 8192; stage 33 adds YaRN x16 over 2048
+    and the long answer to the probe."""
     import re
     import shlex
 
     text = open(os.path.join(ROOT, "experiments", "testbed", "train_long_cpu.sh")).read()
-    cmd = re.sub(r"\\\n\s*", " ", text).split("experiments/train_testbed.py", 1)[1].split('"$@"')[0]
-    args = tt.build_parser().parse_args(shlex.split(cmd.replace("$D", "/tmp/tb-long")))
-    tt.check_data_flags(args)
-    assert args.pose_target == 32768 and args.max_positions >= 32768 + 512
-    assert tt.eval_plan(args)[0] == [(512, 8), (4096, 4), (8192, 4)]
-    assert args.init_from == "maskahead_jax/testbed" and not args.run_dir.startswith(ROOT)
+    cmd = re.sub(r"\\\n\s*", " ", text).split("experiments/train_testbed.py", 1)[1].split('"${EXTRA[@]}"')[0]
+    extra = dict(re.findall(r"^\s*(\d+)\).*?EXTRA=\(([^)]*)\)", text, re.M | re.S))
+    assert set(extra) == {"32", "33"}
+    for stage, flags in extra.items():
+        args = tt.build_parser().parse_args(shlex.split(cmd.replace("$D", "/tmp/tb-long") + " " + flags))
+        tt.check_data_flags(args)
+        assert args.pose_target == 32768 and args.max_positions >= 32768 + 512
+        assert [L for L, _ in tt.eval_plan(args)[0]] == [512, 4096, 8192]
+        assert args.init_from == "maskahead_jax/testbed" and not args.run_dir.startswith(ROOT)
+        cfg = tt.make_config(args, 1536)
+        if stage == "33":
+            assert (cfg.rope_scaling.type, cfg.rope_scaling.factor) == ("yarn", 16.0)
+            assert "longanswer" in tt.eval_plan(args)[1]
+        else:
+            assert cfg.rope_scaling is None
