@@ -28,7 +28,8 @@ from converters.hf_config import model_config_from_hf
 from maskahead_jax import cli
 from maskahead_jax.config import ConfigError, ModelConfig
 from maskahead_jax.model.layers import rope_tables
-from maskahead_jax.model.rope import RopeScaling, for_run, parse_scaling, scaling_from_hf, static_frequencies, with_rope
+from maskahead_jax.model.rope import RopeScaling, for_run, parse_scaling, scaling_from_hf, with_rope
+from maskahead_jax.model.rope_frequencies import static_frequencies
 
 needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None,
                                  reason="torch parity runs in CI's Python 3.11 job (.ci/run)")

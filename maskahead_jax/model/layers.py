@@ -6,7 +6,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from .rope import RopeScaling, frequencies
+from .rope import RopeScaling
+from .rope_frequencies import frequencies
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
