@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import os
 import sys
@@ -106,8 +107,7 @@ def cases():
 
 def lab_cases():
     """The --lab cases: (case name, model, prompts, GenerationConfig, [(policy, pct, knobs)])."""
-    import experiments.qa_lab as _lab  # registers the lab policies
-    del _lab
+    importlib.import_module("experiments.qa_lab")  # registers the lab policies
     import maskahead_jax as mj
     from maskahead_jax.evaluation.datasets import testbed_suite
 

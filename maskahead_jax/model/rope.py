@@ -118,7 +118,7 @@ class RopeScaling:
             d.update(beta_fast=self.beta_fast, beta_slow=self.beta_slow, truncate=self.truncate)
             d.update({k: getattr(self, k) for k in ("mscale", "mscale_all_dim")
                       if getattr(self, k) is not None})
-        if self.type in ("yarn", "longrope", "dynamic_yarn") and self.attention_factor is not None:
+        if self.type in _YARNS + ("longrope",) and self.attention_factor is not None:
             d["attention_factor"] = self.attention_factor
         if self.type == "llama3":
             d.update(low_freq_factor=self.low_freq_factor, high_freq_factor=self.high_freq_factor)
@@ -197,7 +197,7 @@ def scaling_from_hf(d: Optional[dict], max_position_embeddings: int, top_origina
     orig = int(orig or 0)
     factor = _number(d, "factor", where)
     if factor is None:  # yarn / longrope: implied by the two lengths
-        if kind not in ("yarn", "longrope", "dynamic_yarn"):
+        if kind not in _YARNS + ("longrope",):
             raise ConfigError(f"{where}: factor must be a number, got None")
         factor = max_position_embeddings / orig
     kw: dict[str, Any] = dict(type=kind, factor=factor, original_max_position_embeddings=orig)
