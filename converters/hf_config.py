@@ -23,7 +23,7 @@ import os
 from typing import Any, Callable, Iterable, Optional, Union
 
 from maskahead_jax.config import FAMILY_DEFAULTS, ConfigError, ModelConfig
-from maskahead_jax.model.rope import scaling_from_hf
+from maskahead_jax.model.rope import OWN_KEY, scaling_from_hf
 
 # model_type (lower-cased) -> (family, key layout)
 MODEL_TYPES = {
@@ -240,7 +240,8 @@ def _rope_fields(hf: dict[str, Any], max_positions: int) -> dict[str, Any]:
 
     The base is the RoPE dict's `rope_theta` (transformers keeps it over the top-level one), else
     the top-level `rope_theta`, else 10000. A scaling raises max_position_embeddings to factor x
-    original length when that is more."""
+    original length when that is more. `maskahead_rope_scaling` (a scaling no transformers type
+    names: dynamic_yarn) wins over `rope_scaling` / `rope_parameters`."""
     d, name = _rope_dict(hf)
     theta = (d or {}).get("rope_theta") if isinstance(d, dict) else None
     theta = hf.get("rope_theta") if theta is None else theta
@@ -250,6 +251,8 @@ def _rope_fields(hf: dict[str, Any], max_positions: int) -> dict[str, Any]:
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 < theta < float("inf"):
         raise ConfigError(f"rope_theta must be a positive number, got {theta!r}")
     top = hf.get("original_max_position_embeddings")
+    if hf.get(OWN_KEY) is not None:  # ours (dynamic_yarn), over the transformers-readable one
+        d, name, top = hf[OWN_KEY], OWN_KEY, None
     scaling = scaling_from_hf(d, max_positions, top if isinstance(top, int) and top > 0 else None, where=name)
     out: dict[str, Any] = dict(rope_theta=float(theta), rope_scaling=scaling)
     if scaling is not None:

@@ -194,7 +194,8 @@ def test_dynamic_yarn_is_plain_up_to_the_original_length_and_yarn_of_the_needed_
     """dynamic_yarn (ours, the YaRN paper's Dynamic-YaRN): at a length n it is YaRN with factor
     clip(n / original, 1, factor) (frequencies and attention temperature), so plain RoPE up to
     the original length; the traced per-forward rule (seq_len 0) equals the static one; the knob
-    parses, survives `load_pretrained`, and an export with it is refused (no transformers type)."""
+    parses, survives `load_pretrained`, and an export writes it under our own config key
+    (`maskahead_rope_scaling`, which the loader reads over transformers' `rope_scaling`)."""
     from maskahead_jax.model.rope import hf_fields
 
     d = RopeScaling("dynamic_yarn", factor=8.0, original_max_position_embeddings=ORIG)
@@ -211,11 +212,30 @@ def test_dynamic_yarn_is_plain_up_to_the_original_length_and_yarn_of_the_needed_
     assert scaling_from_hf(d.to_hf(), 512) == d
     cfg = ModelConfig("sdar", "qwen3", 48, 32, 1, 4, 2, 8, 48, rope_scaling=d, mask_token_id=1)
     assert for_run(cfg, 300).rope_scaling.seq_len == 300
-    with pytest.raises(ConfigError, match="dynamic_yarn is this library's load-time knob"):
-        hf_fields(cfg)
+    assert hf_fields(cfg) == {"maskahead_rope_scaling": d.to_hf()}
+    hf = json.load(open(os.path.join(TESTBED, "config.json")))
+    hf.update(rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 4096},
+              maskahead_rope_scaling=RopeScaling("dynamic_yarn", 13.0, 2560).to_hf())
+    back = model_config_from_hf(hf)
+    assert back.rope_scaling == RopeScaling("dynamic_yarn", 13.0, 2560) and back.max_position_embeddings == 33280
     model = mj.load_pretrained(TESTBED, rope_scaling="dynamic_yarn:4:2048", max_position_embeddings=8192)
     assert model.config.rope_scaling == RopeScaling("dynamic_yarn", 4.0, 2048)
     assert model.config.max_position_embeddings == 8192
+
+
+def test_dynamic_yarn_gives_each_row_of_a_batch_its_own_factor():
+    """Traced dynamic_yarn reads each row's largest position (a training batch mixes plain windows
+    with skip-wise ones far past the original length): every row of a batch gets the tables it
+    would get alone, so a plain row stays plain RoPE next to a long one."""
+    d = RopeScaling("dynamic_yarn", factor=8.0, original_max_position_embeddings=ORIG)
+    t = 40
+    pos = jnp.stack([jnp.arange(t), jnp.arange(t) * 7, jnp.arange(t) * 30]).astype(jnp.int32)  # 40, 274, 1171
+    cos, sin = rope_tables(pos, 16, 1e4, d)
+    for i in range(3):
+        c1, s1 = rope_tables(pos[i:i + 1], 16, 1e4, d)
+        assert _close(cos[i:i + 1], c1, 1e-6) and _close(sin[i:i + 1], s1, 1e-6)
+    assert _close(cos[:1], rope_tables(pos[:1], 16, 1e4, None)[0], 1e-6)  # within ORIG: plain
+    assert not _close(cos[2:], rope_tables(pos[2:], 16, 1e4, None)[0], 1e-2)
 
 
 def test_dynamic_yarn_generates_as_plain_rope_within_the_trained_length():

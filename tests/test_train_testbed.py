@@ -3,6 +3,7 @@
 optimisation step, model surgery, the held-out probe and the exporter read back through the
 library's converter."""
 import argparse
+import json
 import os
 import random
 import sys
@@ -251,7 +252,8 @@ def test_train_step_lowers_loss_on_a_fixed_batch(tok):
 
 
 @pytest.mark.parametrize("tied,layout,shift,rope", [(True, "qwen3", False, None), (False, "qwen3", True, None),
-                                                    (True, "qwen2", True, None), (True, "qwen3", True, "yarn:4:64")])
+                                                    (True, "qwen2", True, None), (True, "qwen3", True, "yarn:4:64"),
+                                                    (True, "qwen3", True, "dynamic_yarn:16:64")])
 def test_export_reads_back_through_converter(tmp_path, tied, layout, shift, rope):
     """Every layout make_config builds (SDAR's qwen3, Fast-dLLM v2's qwen2), and a --rope-scaling
     run's YaRN (trained and exported with it; the positions stay --max-positions), comes back
@@ -260,13 +262,17 @@ def test_export_reads_back_through_converter(tmp_path, tied, layout, shift, rope
     cfg = config.make_config(args, 1536)
     if rope:
         s = cfg.rope_scaling
-        assert (s.type, s.factor, s.original_max_position_embeddings) == ("yarn", 4.0, 64)
+        assert (s.type, s.factor, s.original_max_position_embeddings) == tuple(
+            (t, float(f), int(o)) for t, f, o in [rope.split(":")])[0]
         assert cfg.max_position_embeddings == 1024
     params = init_params(cfg, jax.random.PRNGKey(1))
     out = export.export_hf(params, cfg, str(tmp_path))
     model = load_pretrained(out)
     assert model.config == cfg
-    toks = np.asarray([[T.BOS_ID] + list(range(10, 40))], np.int32)
+    if rope and rope.startswith("dynamic"):  # our key; transformers' rope_scaling stays plain
+        hf = json.load(open(os.path.join(out, "config.json")))
+        assert "rope_scaling" not in hf and hf["maskahead_rope_scaling"]["rope_type"] == "dynamic_yarn"
+    toks = np.asarray([[T.BOS_ID] + list(range(10, 40)) * 3], np.int32)  # 91 positions: past 64
     want = forward_logits(params, cfg, toks)
     got = forward_logits(model.params, model.config, toks)
     # exported in bfloat16: compare the predictions, with a loose bound on the logits
@@ -766,17 +772,17 @@ def test_eval_plan_flags():
 
 
 def test_long_cpu_script_command_parses():
-    """experiments/testbed/train_long_cpu.sh (stages 32 and 33) runs train_testbed.py with flags
+    """experiments/testbed/train_long_cpu.sh (stages 32, 33 and 34) runs train_testbed.py with flags
     that parse and pass the startup checks: skip-wise positions to 32768, an export that takes
     32768-token prompts, the held-out probe at 4096 and 8192; stage 33 adds YaRN x16 over 2048
-    and the long answer to the probe."""
+    and the long answer to the probe, stage 34 Dynamic-YaRN x13 over 2560."""
     import re
     import shlex
 
     text = open(os.path.join(ROOT, "experiments", "testbed", "train_long_cpu.sh")).read()
     cmd = re.sub(r"\\\n\s*", " ", text).split("experiments/train_testbed.py", 1)[1].split('"${EXTRA[@]}"')[0]
     extra = dict(re.findall(r"^\s*(\d+)\).*?EXTRA=\(([^)]*)\)", text, re.M | re.S))
-    assert set(extra) == {"32", "33"}
+    assert set(extra) == {"32", "33", "34"}
     for stage, flags in extra.items():
         args = tt.build_parser().parse_args(shlex.split(cmd.replace("$D", "/tmp/tb-long") + " " + flags))
         tt.check_data_flags(args)
@@ -787,5 +793,9 @@ def test_long_cpu_script_command_parses():
         if stage == "33":
             assert (cfg.rope_scaling.type, cfg.rope_scaling.factor) == ("yarn", 16.0)
             assert "longanswer" in tt.eval_plan(args)[1]
+        elif stage == "34":  # Dynamic-YaRN over stage 29's 2560 trained positions, to 33280
+            s = cfg.rope_scaling
+            assert (s.type, s.factor * s.original_max_position_embeddings) == ("dynamic_yarn", 33280)
+            assert cfg.max_position_embeddings == 33280 and "longanswer" in tt.eval_plan(args)[1]
         else:
             assert cfg.rope_scaling is None

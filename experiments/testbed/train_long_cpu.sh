@@ -1,20 +1,26 @@
 #!/usr/bin/env bash
-# Stages 32-33 (issue 53): long positions from short windows on the CPU, in the background.
+# Stages 32-34 (issue 53): long positions from short windows on the CPU, in the background.
 # Starts the run, or resumes it where its last checkpoint left it (the same command every time;
 # a session's end kills the process, the next session runs this again). Niced (19), so it takes
 # only the CPU time nobody else wants. docs/testbed_history.md, "Stage 32" / "Stage 33", says
 # what and why.
 #
-#   bash experiments/testbed/train_long_cpu.sh          # stage 33 (the running one): start / resume
+#   bash experiments/testbed/train_long_cpu.sh          # stage 34 (the running one): start / resume
+#   STAGE=33 bash experiments/testbed/train_long_cpu.sh # stage 33 (stage 32 under static YaRN x16)
 #   STAGE=32 bash experiments/testbed/train_long_cpu.sh # stage 32 as it ran (PoSE, plain RoPE)
-#   tail -f ~/.cache/maskahead-jax/tb-yarn/log.txt      # progress, [eval] lines
+#   tail -f ~/.cache/maskahead-jax/tb-dyn/log.txt       # progress, [eval] lines
 #
 # Stage 33 is stage 32's flags plus YaRN (x16 over 2048 positions: the frequencies and attention
 # temperature the export then carries in its config.json) and the long answer in the probe; its
 # first start copies stage 32's portable state (tb-long/state) and continues from it.
+# Stage 34 starts again from stage 29's export (the shipped testbed) under Dynamic-YaRN over
+# stage 29's trained 2560 positions (x13: 33280): plain RoPE wherever a window's (or, at
+# inference, a run's) last position is within 2560, so the short skills train as stage 29's did;
+# YaRN of the factor each skip-wise window's extent needs beyond. A lower rate (stage 29's last),
+# the 2560-token windows stage 29 trained on, the context's ends oversampled more.
 #
-# State (never in the work tree): $TB_LONG_DIR (default ~/.cache/maskahead-jax/tb-yarn, stage
-# 32's tb-long):
+# State (never in the work tree): $TB_LONG_DIR (default ~/.cache/maskahead-jax/ + tb-long for
+# stage 32, tb-yarn for 33, tb-dyn for 34):
 #   run/ckpt/          orbax checkpoints (every 10 training minutes; the two newest kept)
 #   run/metrics.jsonl  loss every 5 steps, held-out evals ({"eval": ..., "eval_L": 512|4096|8192})
 #   state/             the portable state (params.npz, opt.npz, metrics.jsonl) at every checkpoint
@@ -23,7 +29,7 @@
 # Extra arguments are appended to train_testbed.py's (e.g. --wall-minutes 100).
 set -eu
 cd "$(dirname "$0")/../.."
-STAGE=${STAGE:-33}
+STAGE=${STAGE:-34}
 PY=${PYTHON:-.venv/bin/python}
 case "$STAGE" in
   32) D=${TB_LONG_DIR:-$HOME/.cache/maskahead-jax/tb-long}; EXTRA=(--eval-tasks passkey,multikey --minutes 480) ;;
@@ -34,7 +40,11 @@ case "$STAGE" in
         [ -f "$FROM/params.npz" ] || { echo "stage 33 starts from stage 32's state: none at $FROM"; exit 1; }
         mkdir -p "$D" && cp -r "$FROM" "$D/state" && echo "stage 33: copied stage 32's state from $FROM"
       fi ;;
-  *) echo "STAGE must be 32 or 33, got $STAGE"; exit 1 ;;
+  34) D=${TB_LONG_DIR:-$HOME/.cache/maskahead-jax/tb-dyn}  # from stage 29's export itself, no copied state
+      EXTRA=(--rope-scaling dynamic_yarn:13:2560 --seed 34 --lr 5e-5 --edge-depths 0.3
+             --stages '0:512|2560|1024|2560|4096:8|2|4|2|1:0.3'
+             --eval-tasks passkey,multikey,longanswer --minutes 1200) ;;
+  *) echo "STAGE must be 32, 33 or 34, got $STAGE"; exit 1 ;;
 esac
 mkdir -p "$D"
 if [ -f "$D/pid" ] && ps -p "$(cat "$D/pid")" -o args= 2>/dev/null | grep -q train_testbed; then

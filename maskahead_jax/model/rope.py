@@ -13,7 +13,8 @@ longrope (per-frequency factors, short / long by sequence length), and one of ou
 transformers config carries: dynamic_yarn (YaRN with the factor the sequence needs: length /
 original, between 1 and `factor`; the YaRN paper's "Dynamic-YaRN", arXiv 2309.00071 §3.4), so a
 model runs plain RoPE up to its trained length and YaRN x(T / original) beyond. A user knob at
-load time (`rope_scaling="dynamic_yarn:16:2048"`); an export with it is refused (`hf_fields`).
+load time (`rope_scaling="dynamic_yarn:16:2048"`), or from an export's `maskahead_rope_scaling`
+(`hf_fields`: transformers, which ignores that key, runs such an export with plain RoPE).
 
 Sequence-length dependent types (dynamic, longrope, dynamic_yarn) read `seq_len`: 0 = the forward's own length
 (its largest position + 1, as transformers' forward does); > 0 = that fixed length. The cached
@@ -29,6 +30,7 @@ from ..config import ConfigError, ModelConfig
 
 ROPE_TYPES = ("linear", "dynamic", "yarn", "llama3", "longrope", "dynamic_yarn")
 _YARNS = ("yarn", "dynamic_yarn")
+OWN_KEY = "maskahead_rope_scaling"  # config.json key of a scaling transformers has no type for
 _PLAIN = (None, "default", "none")
 # fields a type cannot do without (what transformers' validation requires, less those it defaults)
 _REQUIRED = {"linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",), "dynamic_yarn": ("factor",),
@@ -129,14 +131,14 @@ class RopeScaling:
 
 def hf_fields(cfg: ModelConfig) -> dict[str, Any]:
     """The config.json fields that carry cfg's RoPE scaling (none for plain RoPE): `rope_scaling`,
-    and for dynamic NTK `max_position_embeddings` = its original length (what transformers reads)."""
+    and for dynamic NTK `max_position_embeddings` = its original length (what transformers reads).
+    dynamic_yarn, which no transformers config can name, goes under `maskahead_rope_scaling`
+    (OWN_KEY), read before `rope_scaling` by this library's loader and ignored by transformers."""
     s = cfg.rope_scaling
     if s is None:
         return {}
-    if s.type == "dynamic_yarn":
-        raise ConfigError("rope_scaling dynamic_yarn is this library's load-time knob, not a transformers "
-                          "rope type: export with a static scaling (e.g. yarn) or none, and pass "
-                          "dynamic_yarn when loading")
+    if s.type == "dynamic_yarn":  # no transformers type: our own key; transformers reads plain RoPE,
+        return {OWN_KEY: s.to_hf()}  # which dynamic_yarn equals up to the original length
     out: dict[str, Any] = {"rope_scaling": s.to_hf()}
     if s.type == "dynamic":
         out["max_position_embeddings"] = s.original_max_position_embeddings

@@ -102,12 +102,13 @@ def _yarn(dim: int, theta: float, s: RopeScaling, pos_freqs: np.ndarray) -> tupl
 
 
 def _dynamic_yarn(dim: int, theta: float, s: RopeScaling, f: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """_yarn with a traced factor f: (inverse frequencies, attention factor as a 0-d array)."""
+    """_yarn with a traced factor f (any shape S): inverse frequencies [*S, dim / 2] (for S = [B, 1]:
+    [B, dim / 2]) and the attention factor, an array of shape S."""
     plain = 1.0 / jnp.asarray(np.float32(theta) ** (_arange_f32(dim, 2) / np.float32(dim)))
     keep = jnp.asarray(_yarn_keep(dim, theta, s))
     inv = plain / f * (1.0 - keep) + plain * keep
     if s.attention_factor is not None:
-        return inv, jnp.float32(s.attention_factor)
+        return inv, jnp.full(jnp.shape(f), s.attention_factor, jnp.float32)
     ms = lambda m: jnp.where(f <= 1.0, 1.0, 0.1 * m * jnp.log(f) + 1.0)
     att = ms(s.mscale) / ms(s.mscale_all_dim) if (s.mscale and s.mscale_all_dim) else ms(1.0)
     return inv, att.astype(jnp.float32)
@@ -128,16 +129,21 @@ def _llama3(s: RopeScaling, inv: np.ndarray) -> np.ndarray:
 def frequencies(positions: jax.Array, rot_dim: int, theta: float,
                 s: Optional[RopeScaling]) -> tuple[jax.Array, float]:
     """(inverse frequencies [rot_dim / 2] float32, attention factor) for a forward at positions
-    [B, T]: a length-dependent type with seq_len 0 reads the forward's largest position + 1."""
+    [B, T]: a length-dependent type with seq_len 0 reads the forward's largest position + 1
+    (transformers' rule), except dynamic_yarn (ours), which reads each row's own largest position
+    + 1 and returns inv [B, 1, rot_dim / 2], att [B, 1, 1]: a training batch mixes plain windows
+    with skip-wise ones up to 32k, and each row must see the factor its length gets at inference."""
     if s is None:
         return 1.0 / (theta ** (jnp.arange(0, rot_dim, 2, dtype=jnp.float32) / rot_dim)), 1.0
     if not s.length_dependent or s.seq_len:
         inv, att = static_frequencies(rot_dim, theta, s)
         return jnp.asarray(inv), att
-    length = jnp.max(positions).astype(jnp.int32) + 1
     orig = s.original_max_position_embeddings
-    if s.type == "dynamic_yarn":  # the factor this forward's length needs (traced)
-        return _dynamic_yarn(rot_dim, theta, s, jnp.clip(length.astype(jnp.float32) / orig, 1.0, s.factor))
+    if s.type == "dynamic_yarn":  # each row's own factor (traced): inv [B, 1, rot/2], att [B, 1, 1]
+        rows = jnp.max(positions, axis=-1).astype(jnp.float32) + 1.0  # [B]
+        inv, att = _dynamic_yarn(rot_dim, theta, s, jnp.clip(rows / orig, 1.0, s.factor)[:, None])
+        return inv[:, None, :], att[:, None]
+    length = jnp.max(positions).astype(jnp.int32) + 1
     if s.type == "longrope":
         short, att = static_frequencies(rot_dim, theta, s, seq_len=orig)
         long, _ = static_frequencies(rot_dim, theta, s, seq_len=orig + 1)
