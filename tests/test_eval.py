@@ -516,6 +516,11 @@ def test_sweep_variants_and_capacity_order():
     assert (pol.storage.bits, pol.capacity_pct, pol.capacity_floor, pol.topk_floor, pol.recent) == (2, 5.0, 64, 32, 32)
     assert sweep_factory(sp)("h2o[bits=4]", 10.0).label == "q-h2o"
     assert sweep_factory(sp)("pyramidkv[block_causal=true]", 5.0).block_causal is True
+    long = sweep_preset("testbed-8192")  # issue 53: the released knobs, unchanged
+    ma = sweep_factory(long)("maskahead", 10.0)
+    assert (ma.capacity_floor, ma.topk_floor, ma.recent) == (512, 256, 64)
+    assert sweep_factory(long)("q-maskahead[bits=2]", 5.0).storage.bits == 2
+    assert {ln for _, ln, _, _ in long.cells} == {8192}
 
 
 def test_eval_sweep_preset_runs_resumes_and_exports(tmp_path, monkeypatch, capsys):

@@ -21,6 +21,8 @@ PRESETS: dict[str, tuple[dict, str]] = {
     "dream": (dict(block_size=32, steps_per_block=32, commit_rule="llada"),
               "Dream-v0-7B: blocks of 32, one token per step"),
     "testbed": (dict(), "the shipped testbed model: its config.json defaults (threshold 0.95, dynamic)"),
+    "testbed-released": (dict(), "the testbed's config.json decoding, every policy knob at its released "
+                                 "default (floors 512 / 256, recent 64: long prompts need no scaling)"),
 }
 
 # policy knobs a preset brings (each applies to the policies that have it; --policy-kw overrides):
@@ -120,6 +122,18 @@ SWEEPS: dict[str, SweepPreset] = {
         policies=("streaming[bits=4]", "h2o[bits=4]", "snapkv[bits=4]"),
         capacities=(10.0,),
         batch_size=4,
+        score_datasets=SUITE5),
+    "testbed-8192": SweepPreset(
+        note="issue 53's headline table: the five testbed tasks at 8192 tokens with the released knobs "
+             "unchanged; needs a model that runs 8192-token prompts (--model EXPORT, or the shipped "
+             "testbed with --rope-scaling dynamic_yarn:13:2560)",
+        preset="testbed-released",
+        cells=((SUITE5, 8192, 2, ""),),  # 2 per (task, depth) x 5 depths x 5 tasks = 50 per run
+        depths=(0.0, 0.25, 0.5, 0.75, 1.0),
+        policies=("dense", "maskahead", "maskahead-bounded", "q-maskahead[bits=4]", "q-maskahead[bits=2]",
+                  "q-maskahead-draft", "snapkv", "h2o", "streaming"),
+        capacities=(10.0, 5.0, 20.0),
+        batch_size=2,
         score_datasets=SUITE5),
 }
 
