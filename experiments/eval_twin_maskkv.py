@@ -9,6 +9,10 @@ policy keeps the same share of a 2048-token prompt (5%: 102 entries).
 
   python experiments/eval_twin_maskkv.py --entries 256 --lengths 2048 --n 4 --out runs/twin_maskkv_256
   python experiments/eval_twin_maskkv.py --pct 5 --lengths 2048 --n 4 --out runs/twin_maskkv_5pct
+
+Past the twin's trained length (issue 53's table at 8192) give the RoPE knob the run needs, e.g.
+`--rope-scaling dynamic_yarn:16:2048 --max-positions 33280` (docs/rope.md); it is part of the
+run's fingerprint, so a resumed run refuses another one.
 """
 from __future__ import annotations
 
@@ -34,9 +38,11 @@ def main(argv=None):
     ap.add_argument("--lengths", default="2048")
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--rope-scaling", default=None, help="replace the model's RoPE scaling (TYPE:FACTOR[:ORIGINAL])")
+    ap.add_argument("--max-positions", type=int, default=None, help="the model's position limit")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
-    model = load_pretrained(args.model)
+    model = load_pretrained(args.model, rope_scaling=args.rope_scaling, max_position_embeddings=args.max_positions)
     tok = D.load_tokenizer(args.model)
     exs = D.testbed_suite(lengths=[int(x) for x in args.lengths.split(",")], n_per_cell=args.n, tokenizer=tok)
     policies = args.policies.split(",")
@@ -51,7 +57,7 @@ def main(argv=None):
     caps = [None] if args.entries else [args.pct]
     res = run_sweep(model, exs, policies, caps, args.out, tok, gen=GenerationConfig(),
                     batch_size=args.batch_size, policy_factory=factory, progress=False, plots=False,
-                    model_path=args.model, meta=dict(entries=args.entries, pct=args.pct))
+                    model_path=args.model, meta=dict(entries=args.entries, pct=args.pct, rope_scaling=args.rope_scaling))
     print(to_markdown(res.summary))
     for e in res.errors:
         print("ERROR", e)

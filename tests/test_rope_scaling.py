@@ -11,13 +11,11 @@ length 64) within 1e-4 in float32.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import importlib
 import importlib.util
 import json
 import os
-import shutil
 
 import jax.numpy as jnp
 import numpy as np

@@ -775,7 +775,7 @@ def test_long_cpu_script_command_parses():
     """experiments/testbed/train_long_cpu.sh (stages 32, 33 and 34) runs train_testbed.py with flags
     that parse and pass the startup checks: skip-wise positions to 32768, an export that takes
     32768-token prompts, the held-out probe at 4096 and 8192; stage 33 adds YaRN x16 over 2048
-    and the long answer to the probe, stage 34 Dynamic-YaRN x13 over 2560."""
+    and the long answer to the probe, stage 34 Dynamic-YaRN x16 over 2048."""
     import re
     import shlex
 
@@ -793,9 +793,9 @@ def test_long_cpu_script_command_parses():
         if stage == "33":
             assert (cfg.rope_scaling.type, cfg.rope_scaling.factor) == ("yarn", 16.0)
             assert "longanswer" in tt.eval_plan(args)[1]
-        elif stage == "34":  # Dynamic-YaRN over stage 29's 2560 trained positions, to 33280
+        elif stage == "34":  # Dynamic-YaRN x16 over 2048, positions to 33280
             s = cfg.rope_scaling
-            assert (s.type, s.factor * s.original_max_position_embeddings) == ("dynamic_yarn", 33280)
+            assert (s.type, s.factor, s.original_max_position_embeddings) == ("dynamic_yarn", 16.0, 2048)
             assert cfg.max_position_embeddings == 33280 and "longanswer" in tt.eval_plan(args)[1]
         else:
             assert cfg.rope_scaling is None
