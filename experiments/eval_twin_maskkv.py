@@ -12,7 +12,7 @@ policy keeps the same share of a 2048-token prompt (5%: 102 entries).
 
 Past the twin's trained length (issue 53's table at 8192) give the RoPE knob the run needs, e.g.
 `--rope-scaling dynamic_yarn:16:2048 --max-positions 33280` (docs/rope.md); it is part of the
-run's fingerprint, so a resumed run refuses another one.
+run's fingerprint (the model config), so a resumed run refuses another one.
 """
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def main(argv=None):
     caps = [None] if args.entries else [args.pct]
     res = run_sweep(model, exs, policies, caps, args.out, tok, gen=GenerationConfig(),
                     batch_size=args.batch_size, policy_factory=factory, progress=False, plots=False,
-                    model_path=args.model, meta=dict(entries=args.entries, pct=args.pct, rope_scaling=args.rope_scaling))
+                    model_path=args.model, meta=dict(entries=args.entries, pct=args.pct))
     print(to_markdown(res.summary))
     for e in res.errors:
         print("ERROR", e)

@@ -126,7 +126,7 @@ SWEEPS: dict[str, SweepPreset] = {
     "testbed-8192": SweepPreset(
         note="issue 53's headline table: the five testbed tasks at 8192 tokens with the released knobs "
              "unchanged; needs a model that runs 8192-token prompts (--model EXPORT, or the shipped "
-             "testbed with --rope-scaling dynamic_yarn:13:2560)",
+             "testbed with --rope-scaling dynamic_yarn:16:2048)",
         preset="testbed-released",
         cells=((SUITE5, 8192, 2, ""),),  # 2 per (task, depth) x 5 depths x 5 tasks = 50 per run
         depths=(0.0, 0.25, 0.5, 0.75, 1.0),
