@@ -215,6 +215,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--pose-min-len", type=int, default=0,
                     help="--pose-target: rows of shorter stages keep the original positions (e.g. 2048 "
                          "with --stages '0:512|2048:8|2': the 512 steps at arange, the 2048 steps skip-wise)")
+    ap.add_argument("--pose-tail-blocks", type=int, default=1,
+                    help="--pose-target: the answer's chunk starts t blocks before the answer, t uniform in "
+                         "[1, this] (1: only the question's last block; 24: the long answer's station "
+                         "list and a needle right before the question stay next to the answer at far "
+                         "positions; stage 35)")
     ap.add_argument("--eval-lengths", default=None,
                     help="lengths of the periodic held-out probe (e.g. 512,4096,8192; default: the "
                          "stage's length capped at 512)")

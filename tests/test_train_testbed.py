@@ -711,6 +711,35 @@ def test_pose_positions_are_sorted_unique_block_aligned_and_within_target(tok):
     np.testing.assert_array_equal(data.pose_positions(rng, L, L, w), np.arange(L))  # nothing to skip
 
 
+def test_pose_tail_keeps_the_blocks_before_the_answer_next_to_it(tok):
+    """--pose-tail-blocks t (stage 35): the answer's chunk starts 1..t blocks before the answer's
+    block, so the run of contiguous ids that ends at the answer spans up to t blocks and no other
+    cut falls inside it (stages 32-34, t = 1: one block, longer only where a skip of 0 blocks was
+    drawn, shorter where another cut fell in the answer's block); t = 1 is their cut draw for
+    draw."""
+    L, target, bs = 1024, 16384, data.BLOCK
+
+    def runs(t):  # blocks of contiguous ids that end at the first answer token, per draw
+        out = []
+        for i in range(80):
+            x, w = data.train_sequence(random.Random(i), L, tok, 3.0, 0.0, 0.0)
+            a = int(np.nonzero(w == 3.0)[0][0])
+            pos = data.pose_positions(np.random.default_rng(i), L, target, w, 3.0, chunks=3, tail_blocks=t)
+            assert pos[0] == 0 and (np.diff(pos) > 0).all() and pos[-1] < target
+            jumps = np.nonzero(np.diff(pos[:a + 1]) > 1)[0] + 1
+            out.append(a // bs - (int(jumps[-1]) if len(jumps) else 0) // bs)
+            if t == 1:
+                np.testing.assert_array_equal(pos, data.pose_positions(
+                    np.random.default_rng(i), L, target, w, 3.0, chunks=3))
+        return np.array(out)
+
+    one, eight = runs(1), runs(8)
+    assert (one == 1).mean() >= 0.8  # stages 32-34: the question's block alone (or a cut in the answer's)
+    assert (eight >= 1).all()  # no other cut inside the tail
+    near = (eight >= 2) & (eight <= 8)
+    assert near.mean() >= 0.6 and len(set(eight[near])) >= 5  # 2..8 blocks, spread
+
+
 def test_pose_flag_off_keeps_the_batch_and_on_adds_positions(tok):
     """Without --pose-target the batch is the 4 arrays it always was; with it, the same 4 arrays
     plus position ids: skip-wise for a --pose-prob share of the rows of length >= --pose-min-len,
@@ -731,7 +760,8 @@ def test_pose_flag_off_keeps_the_batch_and_on_adds_positions(tok):
     short = data.make_batch(3, 0, 6, 128, tok, _args(seed=0, pose_target=2048, pose_min_len=256), dense=0.3)
     assert (short[4] == np.arange(128)).all()  # a 128-token stage under --pose-min-len 256
     for bad in (dict(pose_target=100), dict(pose_target=2048, pose_chunks=1),
-                dict(pose_target=2048, pose_prob=1.5), dict(pose_target=16384, max_positions=8192)):
+                dict(pose_target=2048, pose_prob=1.5), dict(pose_target=16384, max_positions=8192),
+                dict(pose_target=2048, pose_tail_blocks=0)):
         with pytest.raises(SystemExit, match="--pose"):
             data.pose_options(_args(**bad))
 

@@ -269,7 +269,7 @@ POSE_CHUNKS = 3  # --pose-chunks' default: CREAM's head / middle / tail
 
 
 def pose_positions(rng: np.random.Generator, L: int, target: int, w=None, answer_weight: float = 3.0,
-                   chunks: int = POSE_CHUNKS, block: int = BLOCK) -> np.ndarray:
+                   chunks: int = POSE_CHUNKS, block: int = BLOCK, tail_blocks: int = 1) -> np.ndarray:
     """Skip-wise position ids (PoSE, arXiv 2309.10400; CREAM, arXiv 2406.07138) [L] int32 for a
     window of L real tokens: the window is cut into `chunks` chunks at block boundaries, each
     chunk keeps contiguous ids, and chunk i + 1 starts a gap of whole blocks after chunk i ends,
@@ -277,23 +277,29 @@ def pose_positions(rng: np.random.Generator, L: int, target: int, w=None, answer
     starting at a multiple of `block` (generation's block layout at those positions). The first
     chunk starts at 0 ([BOS] keeps its place, as in PoSE).
 
-    Where the cuts go: one cut is the block boundary at least one block before the first answer
-    token (the first `w == answer_weight`), so the question (<= 32 tokens in every task but the
-    long answer's station list) starts the last chunk's run and the context before it (the needle,
-    unless it sits right before the question) lies a gap away; the other cuts are uniform among
-    the remaining boundaries. How far: the window's whole extent (last id + 1) is drawn
+    Where the cuts go: one cut is the block boundary at least t blocks before the first answer
+    token (the first `w == answer_weight`), t = 1 or, with tail_blocks > 1, drawn uniform in
+    [1, tail_blocks]: with t = 1 the question (<= 32 tokens in every task but the long answer's
+    station list) starts the last chunk's run and the context before it (the needle, unless it
+    sits right before the question) lies a gap away; a longer tail keeps what sits right before
+    the answer (the long answer's whole station list, a needle at depth 1) contiguous with it at
+    the window's far extent, the local layout inference has at every length (stage 35; no other
+    cut falls inside that tail). The other cuts are uniform among the remaining boundaries. How far: the window's whole extent (last id + 1) is drawn
     log-uniform in [L, target] (so 4k, 8k, 16k and 32k are all trained, the 4k-16k goals
     about as often as 16k-32k; PoSE draws the skip uniform), and the skipped blocks are split
     among the gaps uniformly (CREAM's middle chunk anywhere, not only at the ends)."""
     nb = L // block
     if target <= L or nb < 2 or chunks < 2:
         return np.arange(L, dtype=np.int32)
-    cuts = set()
+    cuts, tail = set(), range(0)
     if w is not None:
         ans = np.nonzero(np.asarray(w) == answer_weight)[0]
-        if len(ans) and (ans[0] - block) // block >= 1:
-            cuts.add(int((ans[0] - block) // block))
-    free = [b for b in range(1, nb) if b not in cuts]
+        t = int(rng.integers(1, tail_blocks + 1)) if tail_blocks > 1 else 1  # no draw at 1
+        if len(ans) and (ans[0] - t * block) // block >= 1:
+            cuts.add(int((ans[0] - t * block) // block))
+            if tail_blocks > 1:  # the tail stays whole: no other cut up to the answer's block
+                tail = range(int((ans[0] - t * block) // block) + 1, int(ans[0] // block) + 1)
+    free = [b for b in range(1, nb) if b not in cuts and b not in tail]
     k = min(chunks - 1 - len(cuts), len(free))
     if k > 0:
         cuts.update(int(b) for b in rng.choice(free, size=k, replace=False))
@@ -310,8 +316,8 @@ def pose_positions(rng: np.random.Generator, L: int, target: int, w=None, answer
 
 
 def pose_options(args) -> dict:
-    """The skip-wise position flags (--pose-target, --pose-prob, --pose-chunks, --pose-min-len),
-    checked; target 0 (the default) means every row keeps positions arange(L)."""
+    """The skip-wise position flags (--pose-target, --pose-prob, --pose-chunks, --pose-min-len,
+    --pose-tail-blocks), checked; target 0 (the default) means every row keeps positions arange(L)."""
     g = lambda name, d: getattr(args, name, None) if getattr(args, name, None) is not None else d  # noqa: E731
     target, chunks, min_len = int(g("pose_target", 0)), int(g("pose_chunks", POSE_CHUNKS)), int(g("pose_min_len", 0))
     prob = parse_probability(g("pose_prob", 1.0), "--pose-prob")
@@ -319,10 +325,13 @@ def pose_options(args) -> dict:
         raise SystemExit(f"bad --pose-target {target}: need 0 (off) or a multiple of the block ({BLOCK})")
     if chunks < 2:
         raise SystemExit(f"bad --pose-chunks {chunks}: need >= 2 (PoSE: one chunk fails)")
+    tail = int(g("pose_tail_blocks", 1))
+    if tail < 1:
+        raise SystemExit(f"bad --pose-tail-blocks {tail}: need >= 1 (1: the cut a block before the answer)")
     maxpos = getattr(args, "max_positions", None)
     if target and maxpos and target > maxpos:
         raise SystemExit(f"bad --pose-target {target}: past --max-positions {maxpos}")
-    return dict(target=target, prob=prob, chunks=chunks, min_len=max(0, min_len))
+    return dict(target=target, prob=prob, chunks=chunks, min_len=max(0, min_len), tail=tail)
 
 
 def make_batch(step: int, seed: int, B: int, L: int, tok, args, dense: float = 0.0):
@@ -368,5 +377,6 @@ def make_batch(step: int, seed: int, B: int, L: int, tok, args, dense: float = 0
     pos = np.tile(np.arange(L, dtype=np.int32), (B, 1))
     for i in range(B):
         if L >= pose["min_len"] and rp.uniform() < pose["prob"]:
-            pos[i] = pose_positions(rp, L, pose["target"], w[i], args.answer_weight, pose["chunks"])
+            pos[i] = pose_positions(rp, L, pose["target"], w[i], args.answer_weight, pose["chunks"],
+                                    tail_blocks=pose["tail"])
     return xt.astype(np.int32), x0, masked, w, pos

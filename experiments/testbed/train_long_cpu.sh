@@ -5,10 +5,11 @@
 # only the CPU time nobody else wants. docs/testbed_history.md, "Stage 32" / "Stage 33", says
 # what and why.
 #
-#   bash experiments/testbed/train_long_cpu.sh          # stage 34 (the running one): start / resume
+#   bash experiments/testbed/train_long_cpu.sh          # stage 35 (the running one): start / resume
+#   STAGE=34 bash experiments/testbed/train_long_cpu.sh # stage 34 (stage 29 under Dynamic-YaRN)
 #   STAGE=33 bash experiments/testbed/train_long_cpu.sh # stage 33 (stage 32 under static YaRN x16)
 #   STAGE=32 bash experiments/testbed/train_long_cpu.sh # stage 32 as it ran (PoSE, plain RoPE)
-#   tail -f ~/.cache/maskahead-jax/tb-dyn/log.txt       # progress, [eval] lines
+#   tail -f ~/.cache/maskahead-jax/tb-dyn35/log.txt     # progress, [eval] lines
 #
 # Stage 33 is stage 32's flags plus YaRN (x16 over 2048 positions: the frequencies and attention
 # temperature the export then carries in its config.json) and the long answer in the probe; its
@@ -19,9 +20,14 @@
 # needs beyond (x13 over 2560 was tried first: stage 29 under it finds multi-key at 4096 depth 0
 # in 5 of 20, under x16 over 2048 in 13 of 20). A lower rate (stage 29's last), the 2560-token
 # windows stage 29 trained on, the context's ends oversampled more.
+# Stage 35 is stage 34 continued from its portable state (tb-dyn/state, copied on the first start)
+# with the answer's chunk starting 1-24 blocks before the answer (--pose-tail-blocks 24): what
+# sits right before the answer (the long answer's station list, a needle at depth 1) is then also
+# trained next to it at far positions, the layout inference has; stage 34 cut a gap one block
+# before the answer and missed exactly those two at 8192. The probe runs every 60 minutes.
 #
 # State (never in the work tree): $TB_LONG_DIR (default ~/.cache/maskahead-jax/ + tb-long for
-# stage 32, tb-yarn for 33, tb-dyn for 34):
+# stage 32, tb-yarn for 33, tb-dyn for 34, tb-dyn35 for 35):
 #   run/ckpt/          orbax checkpoints (every 10 training minutes; the two newest kept)
 #   run/metrics.jsonl  loss every 5 steps, held-out evals ({"eval": ..., "eval_L": 512|4096|8192})
 #   state/             the portable state (params.npz, opt.npz, metrics.jsonl) at every checkpoint
@@ -30,7 +36,7 @@
 # Extra arguments are appended to train_testbed.py's (e.g. --wall-minutes 100).
 set -eu
 cd "$(dirname "$0")/../.."
-STAGE=${STAGE:-34}
+STAGE=${STAGE:-35}
 PY=${PYTHON:-.venv/bin/python}
 case "$STAGE" in
   32) D=${TB_LONG_DIR:-$HOME/.cache/maskahead-jax/tb-long}; EXTRA=(--eval-tasks passkey,multikey --minutes 480) ;;
@@ -41,11 +47,23 @@ case "$STAGE" in
         [ -f "$FROM/params.npz" ] || { echo "stage 33 starts from stage 32's state: none at $FROM"; exit 1; }
         mkdir -p "$D" && cp -r "$FROM" "$D/state" && echo "stage 33: copied stage 32's state from $FROM"
       fi ;;
-  34) D=${TB_LONG_DIR:-$HOME/.cache/maskahead-jax/tb-dyn}  # from stage 29's export itself, no copied state
-      EXTRA=(--rope-scaling dynamic_yarn:16:2048 --seed 34 --lr 5e-5 --edge-depths 0.3
+  34|35) DYN=(--rope-scaling dynamic_yarn:16:2048 --seed 34 --lr 5e-5 --edge-depths 0.3
              --stages '0:512|2560|1024|2560|4096:8|2|4|2|1:0.3'
-             --eval-tasks passkey,multikey,longanswer --minutes 1200) ;;
-  *) echo "STAGE must be 32, 33 or 34, got $STAGE"; exit 1 ;;
+             --eval-tasks passkey,multikey,longanswer --minutes 1200) ;;&
+  34) D=${TB_LONG_DIR:-$HOME/.cache/maskahead-jax/tb-dyn}  # from stage 29's export itself, no copied state
+      EXTRA=("${DYN[@]}") ;;
+  35) D=${TB_LONG_DIR:-$HOME/.cache/maskahead-jax/tb-dyn35}
+      EXTRA=("${DYN[@]}" --pose-tail-blocks 24 --eval-minutes 60)
+      FROM=${STAGE34_STATE:-$HOME/.cache/maskahead-jax/tb-dyn/state}
+      if [ ! -f "$D/state/params.npz" ]; then
+        if [ -f "$FROM/params.npz" ]; then
+          mkdir -p "$D" && cp -r "$FROM" "$D/state" && echo "stage 35: copied stage 34's state from $FROM"
+        else  # a new machine: stage 34's committed step-234 export, fresh optimizer moments
+          echo "stage 35: no stage 34 state at $FROM; starting from experiments/testbed/exports/stage34_step234"
+          EXTRA+=(--init-from experiments/testbed/exports/stage34_step234)
+        fi
+      fi ;;
+  *) echo "STAGE must be 32, 33, 34 or 35, got $STAGE"; exit 1 ;;
 esac
 mkdir -p "$D"
 if [ -f "$D/pid" ] && ps -p "$(cat "$D/pid")" -o args= 2>/dev/null | grep -q train_testbed; then
