@@ -801,31 +801,48 @@ def test_eval_plan_flags():
             tt.eval_plan(tt.build_parser().parse_args([flag, value]))
 
 
-def test_long_cpu_script_command_parses():
-    """experiments/testbed/train_long_cpu.sh (stages 32, 33 and 34) runs train_testbed.py with flags
-    that parse and pass the startup checks: skip-wise positions to 32768, an export that takes
-    32768-token prompts, the held-out probe at 4096 and 8192; stage 33 adds YaRN x16 over 2048
-    and the long answer to the probe, stage 34 Dynamic-YaRN x16 over 2048."""
-    import re
-    import shlex
+def test_long_cpu_script_command_parses(tmp_path):
+    """experiments/testbed/train_long_cpu.sh (stages 32-35; DRY_RUN=1 prints the command) runs
+    train_testbed.py with flags that parse and pass the startup checks: skip-wise positions to
+    32768, an export that takes 32768-token prompts, the held-out probe at 4096 and 8192; stage 33
+    adds YaRN x16 over 2048 and the long answer to the probe, stage 34 Dynamic-YaRN x16 over 2048,
+    stage 35 stage 34's flags plus the answer's tail, from stage 34's state or, on a machine
+    without it, from the committed step-234 export."""
+    import subprocess
 
-    text = open(os.path.join(ROOT, "experiments", "testbed", "train_long_cpu.sh")).read()
-    cmd = re.sub(r"\\\n\s*", " ", text).split("experiments/train_testbed.py", 1)[1].split('"${EXTRA[@]}"')[0]
-    extra = dict(re.findall(r"^\s*(\d+)\).*?EXTRA=\(([^)]*)\)", text, re.M | re.S))
-    assert set(extra) == {"32", "33", "34"}
-    for stage, flags in extra.items():
-        args = tt.build_parser().parse_args(shlex.split(cmd.replace("$D", "/tmp/tb-long") + " " + flags))
+    script = os.path.join(ROOT, "experiments", "testbed", "train_long_cpu.sh")
+    s32 = tmp_path / "s32"
+    s32.mkdir()
+    (s32 / "params.npz").write_bytes(b"")  # stage 33 copies stage 32's state on its first start
+    parsed = {}
+    for stage in ("32", "33", "34", "35"):
+        env = dict(os.environ, DRY_RUN="1", STAGE=stage, TB_LONG_DIR=str(tmp_path / f"tb{stage}"),
+                   STAGE32_STATE=str(s32), STAGE34_STATE=str(tmp_path / "none"))
+        out = subprocess.run(["bash", script], env=env, capture_output=True, text=True, check=True).stdout
+        argv = out.splitlines()
+        assert argv[:3] == ["nice", "-n", "19"] and argv[4] == "experiments/train_testbed.py"
+        parsed[stage] = args = tt.build_parser().parse_args(argv[5:])
         tt.check_data_flags(args)
         assert args.pose_target == 32768 and args.max_positions >= 32768 + 512
         assert [L for L, _ in tt.eval_plan(args)[0]] == [512, 4096, 8192]
-        assert args.init_from == "maskahead_jax/testbed" and not args.run_dir.startswith(ROOT)
+        assert args.run_dir == str(tmp_path / f"tb{stage}" / "run")
         cfg = tt.make_config(args, 1536)
         if stage == "33":
             assert (cfg.rope_scaling.type, cfg.rope_scaling.factor) == ("yarn", 16.0)
             assert "longanswer" in tt.eval_plan(args)[1]
-        elif stage == "34":  # Dynamic-YaRN x16 over 2048, positions to 33280
+            assert (tmp_path / "tb33" / "state" / "params.npz").exists()
+        elif stage in ("34", "35"):  # Dynamic-YaRN x16 over 2048, positions to 33280
             s = cfg.rope_scaling
             assert (s.type, s.factor, s.original_max_position_embeddings) == ("dynamic_yarn", 16.0, 2048)
             assert cfg.max_position_embeddings == 33280 and "longanswer" in tt.eval_plan(args)[1]
         else:
             assert cfg.rope_scaling is None
+        if stage != "35":
+            assert args.init_from == "maskahead_jax/testbed" and args.pose_tail_blocks == 1
+    a34, a35 = vars(parsed["34"]), vars(parsed["35"])
+    changed = {k for k in a34 if a34[k] != a35[k]}
+    assert changed == {"pose_tail_blocks", "eval_minutes", "export_minutes", "init_from", "run_dir",
+                       "save_state", "resume_state", "out"}
+    assert a35["pose_tail_blocks"] == 24
+    assert a35["init_from"] == "experiments/testbed/exports/stage34_step234"  # no stage 34 state here
+    assert os.path.exists(os.path.join(ROOT, a35["init_from"], "model.safetensors"))

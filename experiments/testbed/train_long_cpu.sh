@@ -33,7 +33,8 @@
 #   state/             the portable state (params.npz, opt.npz, metrics.jsonl) at every checkpoint
 #   export/            an HF export every 60 training minutes and at the end (the candidate)
 #   log.txt, pid       stdout/stderr of every run, the running process's id
-# Extra arguments are appended to train_testbed.py's (e.g. --wall-minutes 100).
+# Extra arguments are appended to train_testbed.py's (e.g. --wall-minutes 100). DRY_RUN=1 prints the
+# command (one argument per line) and starts nothing (stage 33 / 35 still copy their start state).
 set -eu
 cd "$(dirname "$0")/../.."
 STAGE=${STAGE:-35}
@@ -45,7 +46,7 @@ case "$STAGE" in
       FROM=${STAGE32_STATE:-$HOME/.cache/maskahead-jax/tb-long/state}
       if [ ! -f "$D/state/params.npz" ]; then
         [ -f "$FROM/params.npz" ] || { echo "stage 33 starts from stage 32's state: none at $FROM"; exit 1; }
-        mkdir -p "$D" && cp -r "$FROM" "$D/state" && echo "stage 33: copied stage 32's state from $FROM"
+        mkdir -p "$D" && cp -r "$FROM" "$D/state" && echo "stage 33: copied stage 32's state from $FROM" >&2
       fi ;;
   34|35) DYN=(--rope-scaling dynamic_yarn:16:2048 --seed 34 --lr 5e-5 --edge-depths 0.3
              --stages '0:512|2560|1024|2560|4096:8|2|4|2|1:0.3'
@@ -53,35 +54,40 @@ case "$STAGE" in
   34) D=${TB_LONG_DIR:-$HOME/.cache/maskahead-jax/tb-dyn}  # from stage 29's export itself, no copied state
       EXTRA=("${DYN[@]}") ;;
   35) D=${TB_LONG_DIR:-$HOME/.cache/maskahead-jax/tb-dyn35}
-      EXTRA=("${DYN[@]}" --pose-tail-blocks 24 --eval-minutes 60)
+      EXTRA=("${DYN[@]}" --pose-tail-blocks 24 --eval-minutes 90 --export-minutes 45)
       FROM=${STAGE34_STATE:-$HOME/.cache/maskahead-jax/tb-dyn/state}
       if [ ! -f "$D/state/params.npz" ]; then
         if [ -f "$FROM/params.npz" ]; then
-          mkdir -p "$D" && cp -r "$FROM" "$D/state" && echo "stage 35: copied stage 34's state from $FROM"
+          mkdir -p "$D" && cp -r "$FROM" "$D/state" && echo "stage 35: copied stage 34's state from $FROM" >&2
         else  # a new machine: stage 34's committed step-234 export, fresh optimizer moments
-          echo "stage 35: no stage 34 state at $FROM; starting from experiments/testbed/exports/stage34_step234"
+          echo "stage 35: no stage 34 state at $FROM; starting from experiments/testbed/exports/stage34_step234" >&2
           EXTRA+=(--init-from experiments/testbed/exports/stage34_step234)
         fi
       fi ;;
   *) echo "STAGE must be 32, 33, 34 or 35, got $STAGE"; exit 1 ;;
 esac
+CMD=(nice -n 19 "$PY" experiments/train_testbed.py
+  --init-from maskahead_jax/testbed --logits-shift --seed 53 --layers 6 --heads 8 --kv-heads 4 --head-dim 32
+  --mqar-prob 0.15 --mqar-templates list,sentence,question --copy-prob 0.05
+  --task-weights 0.10,0.30,0.15,0.25,0.20 --packed-weights 0.25,0.25,0.3,0.2 --prompt-frac 0.5:0.92
+  --edge-depths 0.2 --answer-mask-prob 0.3 --answer-mask-max-len 32
+  --stages '0:512|2048|1024|2048|4096:8|2|4|2|1:0.3'
+  --pose-target 32768 --pose-prob 0.75 --pose-min-len 2048 --pose-chunks 3 --max-positions 33280
+  --lr 1e-4 --constant-lr --warmup 30 --gate 0 --log-every 5
+  --eval-minutes 30 --eval-lengths 512,4096,8192 --eval-n 8 --eval-long-n 4
+  --ckpt-minutes 10 --export-minutes 60 --final-lengths 4096,8192 --final-n 8
+  --run-dir "$D/run" --save-state "$D/state" --resume-state "$D/state" --out "$D/export"
+  "${EXTRA[@]}" "$@")
+if [ -n "${DRY_RUN:-}" ]; then  # print the command, one argument per line, and start nothing
+  printf '%s\n' "${CMD[@]}"
+  exit 0
+fi
 mkdir -p "$D"
 if [ -f "$D/pid" ] && ps -p "$(cat "$D/pid")" -o args= 2>/dev/null | grep -q train_testbed; then
   echo "already running: pid $(cat "$D/pid") (log $D/log.txt)"
   exit 0
 fi
 echo "=== $(date -u) stage $STAGE start/resume, git $(git rev-parse --short HEAD 2>/dev/null)" >> "$D/log.txt"
-nohup nice -n 19 "$PY" experiments/train_testbed.py \
-  --init-from maskahead_jax/testbed --logits-shift --seed 53 --layers 6 --heads 8 --kv-heads 4 --head-dim 32 \
-  --mqar-prob 0.15 --mqar-templates list,sentence,question --copy-prob 0.05 \
-  --task-weights 0.10,0.30,0.15,0.25,0.20 --packed-weights 0.25,0.25,0.3,0.2 --prompt-frac 0.5:0.92 \
-  --edge-depths 0.2 --answer-mask-prob 0.3 --answer-mask-max-len 32 \
-  --stages '0:512|2048|1024|2048|4096:8|2|4|2|1:0.3' \
-  --pose-target 32768 --pose-prob 0.75 --pose-min-len 2048 --pose-chunks 3 --max-positions 33280 \
-  --lr 1e-4 --constant-lr --warmup 30 --gate 0 --log-every 5 \
-  --eval-minutes 30 --eval-lengths 512,4096,8192 --eval-n 8 --eval-long-n 4 \
-  --ckpt-minutes 10 --export-minutes 60 --final-lengths 4096,8192 --final-n 8 \
-  --run-dir "$D/run" --save-state "$D/state" --resume-state "$D/state" --out "$D/export" \
-  "${EXTRA[@]}" "$@" >> "$D/log.txt" 2>&1 &
+nohup "${CMD[@]}" >> "$D/log.txt" 2>&1 &
 echo $! > "$D/pid"
 echo "pid $! (log $D/log.txt)"
