@@ -802,12 +802,12 @@ def test_eval_plan_flags():
 
 
 def test_long_cpu_script_command_parses(tmp_path):
-    """experiments/testbed/train_long_cpu.sh (stages 32-35; DRY_RUN=1 prints the command) runs
+    """experiments/testbed/train_long_cpu.sh (stages 32-36; DRY_RUN=1 prints the command) runs
     train_testbed.py with flags that parse and pass the startup checks: skip-wise positions to
     32768, an export that takes 32768-token prompts, the held-out probe at 4096 and 8192; stage 33
     adds YaRN x16 over 2048 and the long answer to the probe, stage 34 Dynamic-YaRN x16 over 2048,
-    stage 35 stage 34's flags plus the answer's tail, from stage 34's state or, on a machine
-    without it, from the committed step-234 export."""
+    stage 35 stage 34's flags plus the answer's tail, stage 36 stage 35's plus hard keys, each
+    from the previous stage's state or, on a machine without it, its committed export."""
     import subprocess
 
     script = os.path.join(ROOT, "experiments", "testbed", "train_long_cpu.sh")
@@ -815,9 +815,10 @@ def test_long_cpu_script_command_parses(tmp_path):
     s32.mkdir()
     (s32 / "params.npz").write_bytes(b"")  # stage 33 copies stage 32's state on its first start
     parsed = {}
-    for stage in ("32", "33", "34", "35"):
+    for stage in ("32", "33", "34", "35", "36"):
         env = dict(os.environ, DRY_RUN="1", STAGE=stage, TB_LONG_DIR=str(tmp_path / f"tb{stage}"),
-                   STAGE32_STATE=str(s32), STAGE34_STATE=str(tmp_path / "none"))
+                   STAGE32_STATE=str(s32), STAGE34_STATE=str(tmp_path / "none"),
+                   STAGE35_STATE=str(tmp_path / "none"))
         out = subprocess.run(["bash", script], env=env, capture_output=True, text=True, check=True).stdout
         argv = out.splitlines()
         assert argv[:3] == ["nice", "-n", "19"] and argv[4] == "experiments/train_testbed.py"
@@ -831,18 +832,21 @@ def test_long_cpu_script_command_parses(tmp_path):
             assert (cfg.rope_scaling.type, cfg.rope_scaling.factor) == ("yarn", 16.0)
             assert "longanswer" in tt.eval_plan(args)[1]
             assert (tmp_path / "tb33" / "state" / "params.npz").exists()
-        elif stage in ("34", "35"):  # Dynamic-YaRN x16 over 2048, positions to 33280
+        elif stage in ("34", "35", "36"):  # Dynamic-YaRN x16 over 2048, positions to 33280
             s = cfg.rope_scaling
             assert (s.type, s.factor, s.original_max_position_embeddings) == ("dynamic_yarn", 16.0, 2048)
             assert cfg.max_position_embeddings == 33280 and "longanswer" in tt.eval_plan(args)[1]
         else:
             assert cfg.rope_scaling is None
-        if stage != "35":
+        if stage < "35":
             assert args.init_from == "maskahead_jax/testbed" and args.pose_tail_blocks == 1
-    a34, a35 = vars(parsed["34"]), vars(parsed["35"])
-    changed = {k for k in a34 if a34[k] != a35[k]}
-    assert changed == {"pose_tail_blocks", "eval_minutes", "export_minutes", "init_from", "run_dir",
-                       "save_state", "resume_state", "out"}
-    assert a35["pose_tail_blocks"] == 24
-    assert a35["init_from"] == "experiments/testbed/exports/stage34_step234"  # no stage 34 state here
-    assert os.path.exists(os.path.join(ROOT, a35["init_from"], "model.safetensors"))
+    where = {"run_dir", "save_state", "resume_state", "out", "init_from"}
+    for prev, stage, flags, export in (
+            ("34", "35", {"pose_tail_blocks", "eval_minutes", "export_minutes"}, "stage34_step234"),
+            ("35", "36", {"hard_keys"}, "stage35_step790")):
+        a, b = vars(parsed[prev]), vars(parsed[stage])
+        assert {k for k in a if a[k] != b[k]} == where | flags
+        # no previous state here: the previous stage's committed export
+        assert b["init_from"] == f"experiments/testbed/exports/{export}"
+        assert os.path.exists(os.path.join(ROOT, b["init_from"], "model.safetensors"))
+    assert parsed["35"].pose_tail_blocks == parsed["36"].pose_tail_blocks == 24 and parsed["36"].hard_keys == 0.5

@@ -5,11 +5,12 @@
 # only the CPU time nobody else wants. docs/testbed_history.md, "Stage 32" / "Stage 33", says
 # what and why.
 #
-#   bash experiments/testbed/train_long_cpu.sh          # stage 35 (the running one): start / resume
+#   bash experiments/testbed/train_long_cpu.sh          # stage 36 (the running one): start / resume
+#   STAGE=35 bash experiments/testbed/train_long_cpu.sh # stage 35 (stage 34 plus the answer's tail)
 #   STAGE=34 bash experiments/testbed/train_long_cpu.sh # stage 34 (stage 29 under Dynamic-YaRN)
 #   STAGE=33 bash experiments/testbed/train_long_cpu.sh # stage 33 (stage 32 under static YaRN x16)
 #   STAGE=32 bash experiments/testbed/train_long_cpu.sh # stage 32 as it ran (PoSE, plain RoPE)
-#   tail -f ~/.cache/maskahead-jax/tb-dyn35/log.txt     # progress, [eval] lines
+#   tail -f ~/.cache/maskahead-jax/tb-dyn36/log.txt     # progress, [eval] lines
 #
 # Stage 33 is stage 32's flags plus YaRN (x16 over 2048 positions: the frequencies and attention
 # temperature the export then carries in its config.json) and the long answer in the probe; its
@@ -24,10 +25,14 @@
 # with the answer's chunk starting 1-24 blocks before the answer (--pose-tail-blocks 24): what
 # sits right before the answer (the long answer's station list, a needle at depth 1) is then also
 # trained next to it at far positions, the layout inference has; stage 34 cut a gap one block
-# before the answer and missed exactly those two at 8192. The probe runs every 60 minutes.
+# before the answer and missed exactly those two at 8192. The probe runs every 90 minutes, an
+# export is written every 45.
+# Stage 36 is stage 35 continued (from tb-dyn35/state) with hard keys (--hard-keys 0.5: 1-4
+# distractor keys sharing one word with the asked key): every multi-key miss at 8192 depth 1 was
+# such a key's value, far away, preferred over the asked key right before the question.
 #
 # State (never in the work tree): $TB_LONG_DIR (default ~/.cache/maskahead-jax/ + tb-long for
-# stage 32, tb-yarn for 33, tb-dyn for 34, tb-dyn35 for 35):
+# stage 32, tb-yarn for 33, tb-dyn for 34, tb-dyn35 / tb-dyn36 for 35 / 36):
 #   run/ckpt/          orbax checkpoints (every 10 training minutes; the two newest kept)
 #   run/metrics.jsonl  loss every 5 steps, held-out evals ({"eval": ..., "eval_L": 512|4096|8192})
 #   state/             the portable state (params.npz, opt.npz, metrics.jsonl) at every checkpoint
@@ -37,7 +42,19 @@
 # command (one argument per line) and starts nothing (stage 33 / 35 still copy their start state).
 set -eu
 cd "$(dirname "$0")/../.."
-STAGE=${STAGE:-35}
+STAGE=${STAGE:-36}
+# start_from STATE EXPORT: a stage's first start copies the previous stage's portable state into
+# $D/state; on a machine without that state it starts from the previous stage's committed export
+# (fresh optimizer moments)
+start_from() {
+  [ -f "$D/state/params.npz" ] && return 0
+  if [ -f "$1/params.npz" ]; then
+    mkdir -p "$D" && cp -r "$1" "$D/state" && echo "stage $STAGE: copied the previous stage's state from $1" >&2
+  else
+    echo "stage $STAGE: no previous state at $1; starting from $2" >&2
+    EXTRA+=(--init-from "$2")
+  fi
+}
 PY=${PYTHON:-.venv/bin/python}
 case "$STAGE" in
   32) D=${TB_LONG_DIR:-$HOME/.cache/maskahead-jax/tb-long}; EXTRA=(--eval-tasks passkey,multikey --minutes 480) ;;
@@ -48,23 +65,18 @@ case "$STAGE" in
         [ -f "$FROM/params.npz" ] || { echo "stage 33 starts from stage 32's state: none at $FROM"; exit 1; }
         mkdir -p "$D" && cp -r "$FROM" "$D/state" && echo "stage 33: copied stage 32's state from $FROM" >&2
       fi ;;
-  34|35) DYN=(--rope-scaling dynamic_yarn:16:2048 --seed 34 --lr 5e-5 --edge-depths 0.3
+  34|35|36) DYN=(--rope-scaling dynamic_yarn:16:2048 --seed 34 --lr 5e-5 --edge-depths 0.3
              --stages '0:512|2560|1024|2560|4096:8|2|4|2|1:0.3'
              --eval-tasks passkey,multikey,longanswer --minutes 1200) ;;&
   34) D=${TB_LONG_DIR:-$HOME/.cache/maskahead-jax/tb-dyn}  # from stage 29's export itself, no copied state
       EXTRA=("${DYN[@]}") ;;
   35) D=${TB_LONG_DIR:-$HOME/.cache/maskahead-jax/tb-dyn35}
       EXTRA=("${DYN[@]}" --pose-tail-blocks 24 --eval-minutes 90 --export-minutes 45)
-      FROM=${STAGE34_STATE:-$HOME/.cache/maskahead-jax/tb-dyn/state}
-      if [ ! -f "$D/state/params.npz" ]; then
-        if [ -f "$FROM/params.npz" ]; then
-          mkdir -p "$D" && cp -r "$FROM" "$D/state" && echo "stage 35: copied stage 34's state from $FROM" >&2
-        else  # a new machine: stage 34's committed step-234 export, fresh optimizer moments
-          echo "stage 35: no stage 34 state at $FROM; starting from experiments/testbed/exports/stage34_step234" >&2
-          EXTRA+=(--init-from experiments/testbed/exports/stage34_step234)
-        fi
-      fi ;;
-  *) echo "STAGE must be 32, 33, 34 or 35, got $STAGE"; exit 1 ;;
+      start_from "${STAGE34_STATE:-$HOME/.cache/maskahead-jax/tb-dyn/state}" experiments/testbed/exports/stage34_step234 ;;
+  36) D=${TB_LONG_DIR:-$HOME/.cache/maskahead-jax/tb-dyn36}
+      EXTRA=("${DYN[@]}" --pose-tail-blocks 24 --hard-keys 0.5 --eval-minutes 90 --export-minutes 45)
+      start_from "${STAGE35_STATE:-$HOME/.cache/maskahead-jax/tb-dyn35/state}" experiments/testbed/exports/stage35_step790 ;;
+  *) echo "STAGE must be 32, 33, 34, 35 or 36, got $STAGE"; exit 1 ;;
 esac
 CMD=(nice -n 19 "$PY" experiments/train_testbed.py
   --init-from maskahead_jax/testbed --logits-shift --seed 53 --layers 6 --heads 8 --kv-heads 4 --head-dim 32
