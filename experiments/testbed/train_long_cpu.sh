@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Stages 32-34 (issue 53): long positions from short windows on the CPU, in the background.
+# Stages 32-36 (issue 53): long positions from short windows on the CPU, in the background.
 # Starts the run, or resumes it where its last checkpoint left it (the same command every time;
 # a session's end kills the process, the next session runs this again). Niced (19), so it takes
-# only the CPU time nobody else wants. docs/testbed_history.md, "Stage 32" / "Stage 33", says
-# what and why.
+# only the CPU time nobody else wants. docs/testbed_history.md, "Stage 32" ... "Stage 36",
+# says what and why.
 #
 #   bash experiments/testbed/train_long_cpu.sh          # stage 36 (the running one): start / resume
 #   STAGE=35 bash experiments/testbed/train_long_cpu.sh # stage 35 (stage 34 plus the answer's tail)
@@ -25,8 +25,9 @@
 # with the answer's chunk starting 1-24 blocks before the answer (--pose-tail-blocks 24): what
 # sits right before the answer (the long answer's station list, a needle at depth 1) is then also
 # trained next to it at far positions, the layout inference has; stage 34 cut a gap one block
-# before the answer and missed exactly those two at 8192. The probe runs every 90 minutes, an
-# export is written every 45.
+# before the answer, and those two were its worst cells at 8192 (its step-790 export: the long
+# answer climbed on, the near needle did not). The probe runs every 90 minutes, an export is
+# written every 45.
 # Stage 36 is stage 35 continued (from tb-dyn35/state) with hard keys (--hard-keys 0.5: 1-4
 # distractor keys sharing one word with the asked key): every multi-key miss at 8192 depth 1 was
 # such a key's value, far away, preferred over the asked key right before the question.
@@ -36,10 +37,10 @@
 #   run/ckpt/          orbax checkpoints (every 10 training minutes; the two newest kept)
 #   run/metrics.jsonl  loss every 5 steps, held-out evals ({"eval": ..., "eval_L": 512|4096|8192})
 #   state/             the portable state (params.npz, opt.npz, metrics.jsonl) at every checkpoint
-#   export/            an HF export every 60 training minutes and at the end (the candidate)
+#   export/            an HF export every 60 training minutes (45 from stage 35) and at the end
 #   log.txt, pid       stdout/stderr of every run, the running process's id
 # Extra arguments are appended to train_testbed.py's (e.g. --wall-minutes 100). DRY_RUN=1 prints the
-# command (one argument per line) and starts nothing (stage 33 / 35 still copy their start state).
+# command (one argument per line) and starts nothing (stages 33, 35 and 36 still copy their start state).
 set -eu
 cd "$(dirname "$0")/../.."
 STAGE=${STAGE:-36}
