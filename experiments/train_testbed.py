@@ -285,6 +285,20 @@ def last_heldout(log_path) -> float:
     return heldout
 
 
+def last_logged(log_path, key: str, elapsed: float) -> float:
+    """The training time of the last metrics.jsonl record holding `key` ("eval", "exported"), at
+    most `elapsed` (the resumed time); `elapsed` itself if there is none. The probe and export
+    timers of a resumed run count from it, so a run stopped every session before --eval-minutes /
+    --export-minutes still probes and exports on schedule."""
+    last = None
+    if log_path and os.path.exists(log_path):
+        for line in open(log_path):
+            rec = json.loads(line)
+            if key in rec:
+                last = float(rec["elapsed"])
+    return elapsed if last is None else min(last, elapsed)
+
+
 def initial_params(args, cfg):
     """Fresh params from --seed, or --init-from's weights (grown by --grow-after / --grow-heads)."""
     params = init_params(cfg, jax.random.PRNGKey(args.seed))
@@ -387,11 +401,11 @@ def main(argv=None):
     log_path = os.path.join(run_dir, "metrics.jsonl") if mngr else None
     clock = ActiveClock()  # training time: wall time less any time the process was stopped
     t_last = clock()
-    last_ckpt, last_eval = elapsed, elapsed
+    last_ckpt = elapsed  # resume: the probe and export timers count from their last record
+    last_eval, last_export = last_logged(log_path, "eval", elapsed), last_logged(log_path, "exported", elapsed)
     pbar = tqdm(total=int(budget), initial=int(elapsed), unit="s", dynamic_ncols=True, mininterval=5)
     wall_start = time.time()
     wall_limit = 60 * args.wall_minutes if args.wall_minutes else float("inf")
-    last_export = elapsed
     prefetch = BatchPrefetcher(args, args.workers) if args.workers else None
     ema = None
     stage, heldout = 0, last_heldout(log_path)  # resume: the gate sees the last held-out accuracy

@@ -841,12 +841,28 @@ def test_long_cpu_script_command_parses(tmp_path):
         if stage < "35":
             assert args.init_from == "maskahead_jax/testbed" and args.pose_tail_blocks == 1
     where = {"run_dir", "save_state", "resume_state", "out", "init_from"}
-    for prev, stage, flags, export in (
+    for prev, stage, flags, fallback in (
             ("34", "35", {"pose_tail_blocks", "eval_minutes", "export_minutes"}, "stage34_step234"),
             ("35", "36", {"hard_keys"}, "stage35_step790")):
         a, b = vars(parsed[prev]), vars(parsed[stage])
         assert {k for k in a if a[k] != b[k]} == where | flags
         # no previous state here: the previous stage's committed export
-        assert b["init_from"] == f"experiments/testbed/exports/{export}"
+        assert b["init_from"] == f"experiments/testbed/exports/{fallback}"
         assert os.path.exists(os.path.join(ROOT, b["init_from"], "model.safetensors"))
     assert parsed["35"].pose_tail_blocks == parsed["36"].pose_tail_blocks == 24 and parsed["36"].hard_keys == 0.5
+
+
+def test_resumed_timers_count_from_the_last_probe_and_export(tmp_path):
+    """A resumed run's probe / export timers start at the training time of the last "eval" /
+    "exported" record (at most the resumed time), not at the resume: a run stopped every session
+    before --export-minutes still exports on schedule. No record: the resumed time."""
+    log = tmp_path / "metrics.jsonl"
+    recs = [{"step": 5, "elapsed": 100.0, "L": 512, "loss": 2.0}, {"step": 9, "elapsed": 1800.0, "eval": {}},
+            {"step": 12, "elapsed": 2700.0, "exported": "x"}, {"step": 15, "elapsed": 3000.0, "L": 512},
+            {"step": 30, "elapsed": 5000.0, "eval": {}}]  # logged after the state the run resumes from
+    log.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert tt.last_logged(str(log), "exported", 4000.0) == 2700.0
+    assert tt.last_logged(str(log), "eval", 4000.0) == 4000.0  # capped at the resumed time
+    assert tt.last_logged(str(log), "eval", 6000.0) == 5000.0
+    assert tt.last_logged(str(tmp_path / "none.jsonl"), "eval", 321.0) == 321.0
+    assert tt.last_logged(None, "exported", 0.0) == 0.0
