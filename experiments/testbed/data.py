@@ -284,8 +284,8 @@ def pose_positions(rng: np.random.Generator, L: int, target: int, w=None, answer
     sits right before the question) lies a gap away; a longer tail keeps what sits right before
     the answer (the long answer's whole station list, a needle at depth 1) contiguous with it at
     the window's far extent, the local layout inference has at every length (stage 35; no other
-    cut falls inside that tail). The other cuts are uniform among the remaining boundaries. How far: the window's whole extent (last id + 1) is drawn
-    log-uniform in [L, target] (so 4k, 8k, 16k and 32k are all trained, the 4k-16k goals
+    cut falls inside that tail). The other cuts are uniform among the remaining boundaries.
+    How far: the window's whole extent (last id + 1) is drawn log-uniform in [L, target] (so 4k, 8k, 16k and 32k are all trained, the 4k-16k goals
     about as often as 16k-32k; PoSE draws the skip uniform), and the skipped blocks are split
     among the gaps uniformly (CREAM's middle chunk anywhere, not only at the ends)."""
     nb = L // block
@@ -295,10 +295,11 @@ def pose_positions(rng: np.random.Generator, L: int, target: int, w=None, answer
     if w is not None:
         ans = np.nonzero(np.asarray(w) == answer_weight)[0]
         t = int(rng.integers(1, tail_blocks + 1)) if tail_blocks > 1 else 1  # no draw at 1
-        if len(ans) and (ans[0] - t * block) // block >= 1:
-            cuts.add(int((ans[0] - t * block) // block))
+        c = int((ans[0] - t * block) // block) if len(ans) else 0
+        if c >= 1:
+            cuts.add(c)
             if tail_blocks > 1:  # the tail stays whole: no other cut up to the answer's block
-                tail = range(int((ans[0] - t * block) // block) + 1, int(ans[0] // block) + 1)
+                tail = range(c + 1, int(ans[0] // block) + 1)
     free = [b for b in range(1, nb) if b not in cuts and b not in tail]
     k = min(chunks - 1 - len(cuts), len(free))
     if k > 0:

@@ -44,16 +44,18 @@
 set -eu
 cd "$(dirname "$0")/../.."
 STAGE=${STAGE:-36}
-# start_from STATE EXPORT: a stage's first start copies the previous stage's portable state into
-# $D/state; on a machine without that state it starts from the previous stage's committed export
-# (fresh optimizer moments)
+# start_from STATE [EXPORT]: a stage's first start copies the previous stage's portable state into
+# $D/state; on a machine without that state it starts from the previous stage's committed EXPORT
+# (fresh optimizer moments), or, with none given, refuses to start
 start_from() {
   [ -f "$D/state/params.npz" ] && return 0
   if [ -f "$1/params.npz" ]; then
     mkdir -p "$D" && cp -r "$1" "$D/state" && echo "stage $STAGE: copied the previous stage's state from $1" >&2
-  else
+  elif [ -n "${2:-}" ]; then
     echo "stage $STAGE: no previous state at $1; starting from $2" >&2
     EXTRA+=(--init-from "$2")
+  else
+    echo "stage $STAGE starts from the previous stage's state: none at $1"; exit 1
   fi
 }
 PY=${PYTHON:-.venv/bin/python}
@@ -61,11 +63,7 @@ case "$STAGE" in
   32) D=${TB_LONG_DIR:-$HOME/.cache/maskahead-jax/tb-long}; EXTRA=(--eval-tasks passkey,multikey --minutes 480) ;;
   33) D=${TB_LONG_DIR:-$HOME/.cache/maskahead-jax/tb-yarn}
       EXTRA=(--rope-scaling yarn:16:2048 --eval-tasks passkey,multikey,longanswer --minutes 1200)
-      FROM=${STAGE32_STATE:-$HOME/.cache/maskahead-jax/tb-long/state}
-      if [ ! -f "$D/state/params.npz" ]; then
-        [ -f "$FROM/params.npz" ] || { echo "stage 33 starts from stage 32's state: none at $FROM"; exit 1; }
-        mkdir -p "$D" && cp -r "$FROM" "$D/state" && echo "stage 33: copied stage 32's state from $FROM" >&2
-      fi ;;
+      start_from "${STAGE32_STATE:-$HOME/.cache/maskahead-jax/tb-long/state}" ;;
   34|35|36) DYN=(--rope-scaling dynamic_yarn:16:2048 --seed 34 --lr 5e-5 --edge-depths 0.3
              --stages '0:512|2560|1024|2560|4096:8|2|4|2|1:0.3'
              --eval-tasks passkey,multikey,longanswer --minutes 1200) ;;&
