@@ -807,7 +807,8 @@ def test_long_cpu_script_command_parses(tmp_path):
     32768, an export that takes 32768-token prompts, the held-out probe at 4096 and 8192; stage 33
     adds YaRN x16 over 2048 and the long answer to the probe, stage 34 Dynamic-YaRN x16 over 2048,
     stage 35 stage 34's flags plus the answer's tail, stage 36 stage 35's plus hard keys, each
-    from the previous stage's state or, on a machine without it, its committed export."""
+    from the previous stage's state or, on a machine without it, the stage's own newest committed
+    export, else the previous stage's."""
     import subprocess
 
     script = os.path.join(ROOT, "experiments", "testbed", "train_long_cpu.sh")
@@ -818,7 +819,7 @@ def test_long_cpu_script_command_parses(tmp_path):
     for stage in ("32", "33", "34", "35", "36"):
         env = dict(os.environ, DRY_RUN="1", STAGE=stage, TB_LONG_DIR=str(tmp_path / f"tb{stage}"),
                    STAGE32_STATE=str(s32), STAGE34_STATE=str(tmp_path / "none"),
-                   STAGE35_STATE=str(tmp_path / "none"))
+                   STAGE35_STATE=str(tmp_path / "none"), OWN_EXPORTS=str(tmp_path / "exports"))
         out = subprocess.run(["bash", script], env=env, capture_output=True, text=True, check=True).stdout
         argv = out.splitlines()
         assert argv[:3] == ["nice", "-n", "19"] and argv[4] == "experiments/train_testbed.py"
@@ -850,6 +851,13 @@ def test_long_cpu_script_command_parses(tmp_path):
         assert b["init_from"] == f"experiments/testbed/exports/{fallback}"
         assert os.path.exists(os.path.join(ROOT, b["init_from"], "model.safetensors"))
     assert parsed["35"].pose_tail_blocks == parsed["36"].pose_tail_blocks == 24 and parsed["36"].hard_keys == 0.5
+    # a new machine with this stage's own exports committed: the newest of them (numeric order)
+    for step in (90, 400):
+        (tmp_path / "exports" / f"stage36_step{step}").mkdir(parents=True)
+    env = dict(os.environ, DRY_RUN="1", STAGE="36", TB_LONG_DIR=str(tmp_path / "tb36b"),
+               STAGE35_STATE=str(tmp_path / "none"), OWN_EXPORTS=str(tmp_path / "exports"))
+    out = subprocess.run(["bash", script], env=env, capture_output=True, text=True, check=True).stdout
+    assert tt.build_parser().parse_args(out.splitlines()[5:]).init_from == str(tmp_path / "exports" / "stage36_step400")
 
 
 def test_resumed_timers_count_from_the_last_probe_and_export(tmp_path):

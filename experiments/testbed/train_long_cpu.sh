@@ -45,12 +45,21 @@ set -eu
 cd "$(dirname "$0")/../.."
 STAGE=${STAGE:-36}
 # start_from STATE [EXPORT]: a stage's first start copies the previous stage's portable state into
-# $D/state; on a machine without that state it starts from the previous stage's committed EXPORT
-# (fresh optimizer moments), or, with none given, refuses to start
+# $D/state; on a machine without that state it continues from this stage's own newest committed
+# export (a session commits one before it stops: a new machine keeps nothing outside the work tree),
+# else starts from the previous stage's committed EXPORT (either way with fresh optimizer moments
+# and the step count from 0), or, with none given, refuses to start
+# own_export: the newest committed export of this stage ($OWN_EXPORTS/stage${STAGE}_step<N>), if any
+own_export() {
+  ls -d "${OWN_EXPORTS:-experiments/testbed/exports}"/stage"${STAGE}"_step* 2>/dev/null | sort -V | tail -n 1
+}
 start_from() {
   [ -f "$D/state/params.npz" ] && return 0
   if [ -f "$1/params.npz" ]; then
     mkdir -p "$D" && cp -r "$1" "$D/state" && echo "stage $STAGE: copied the previous stage's state from $1" >&2
+  elif [ -n "$(own_export)" ]; then  # this stage's own newest committed export: a new machine
+    echo "stage $STAGE: no state in $D; continuing from its committed export $(own_export)" >&2
+    EXTRA+=(--init-from "$(own_export)")
   elif [ -n "${2:-}" ]; then
     echo "stage $STAGE: no previous state at $1; starting from $2" >&2
     EXTRA+=(--init-from "$2")
