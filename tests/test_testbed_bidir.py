@@ -188,3 +188,89 @@ def test_a_few_steps_reduce_the_loss_and_the_run_resumes(tmp_path, capsys):
         assert int(z["step"]) == 5
     exported = load_pretrained(os.path.join(run, "export"))
     assert exported.config.attention == "bidirectional" and exported.config.logits_shift
+
+
+# ----------------------------------------------------------------------------- long context (issue 53)
+def test_twin_positions_default_layout_and_skip_wise_ids():
+    """Default: prompt 0..plen-1, padding at the last prompt id, the response right after it.
+    Skip-wise: sorted unique prompt ids cut on block boundaries, < target - G, the question's tail
+    contiguous with the response, which follows the last prompt id; a pure function of the rng."""
+    d = tb.twin_positions(40, 64, 32)
+    assert list(d[:40]) == list(range(40)) and (d[40:64] == 39).all() and list(d[64:]) == list(range(40, 72))
+    pose = tb.Pose(target=4096, chunks=3, tail_blocks=4)
+    skipped = 0
+    for seed in range(30):
+        p = tb.twin_positions(300, 320, 32, np.random.default_rng(seed), pose)
+        assert np.array_equal(p, tb.twin_positions(300, 320, 32, np.random.default_rng(seed), pose))
+        ids, pad, resp = p[:300], p[300:320], p[320:]
+        assert (np.diff(ids) > 0).all() and ids[0] == 0 and (pad == ids[-1]).all()
+        assert list(resp) == list(range(ids[-1] + 1, ids[-1] + 33)) and resp[-1] < 4096
+        jumps = np.nonzero(np.diff(ids) > 1)[0] + 1
+        assert all(j % 32 == 0 and ids[j] % 32 == 0 for j in jumps) and len(jumps) <= 2
+        assert ids[-1] - ids[-32] == 31  # the last block before the response is contiguous with it
+        skipped += ids[-1] > 1000
+    assert skipped >= 15  # the extent is log-uniform in [L, target]: most rows reach far
+
+
+def test_batch_with_pose_off_is_the_old_batch_and_on_changes_only_positions():
+    tok = T.get_tokenizer()
+    shape = tb.Shape(256, 32, 3)
+    off = tb.make_batch(4, 2, shape, tok)
+    assert all(np.array_equal(x, y) for x, y in zip(off, tb.make_batch(4, 2, shape, tok, pose=tb.Pose())))
+    for i in range(3):
+        assert np.array_equal(off.pos[i], tb.twin_positions(int(off.plen[i]), shape.width, 32))
+    on = tb.make_batch(4, 2, shape, tok, pose=tb.Pose(target=8192, tail_blocks=4))
+    assert all(np.array_equal(x, y) for x, y in zip(off[:-1], on[:-1]))
+    assert (on.pos.max(1) < 8192).all() and (on.pos.max(1) > off.pos.max(1)).any()
+    short = tb.make_batch(4, 2, shape, tok, pose=tb.Pose(target=8192, min_len=512))
+    assert np.array_equal(short.pos, off.pos)  # shapes under --pose-min-len keep arange
+
+
+def test_twin_logits_at_skip_wise_positions_are_a_full_forward_there():
+    """The two passes at Batch.pos equal one full forward of [prompt | response] at those ids; at
+    the default layout they equal the call without pos."""
+    cfg = tiny_cfg()
+    params = init_params(cfg, jax.random.PRNGKey(7), jnp.float32)
+    prompt, plen, xt = _ragged(cfg, jax.random.PRNGKey(8))
+    pw, g = prompt.shape[1], xt.shape[1]
+    refresh = jnp.ones(2, bool)
+    dflt = np.stack([tb.twin_positions(int(n), pw, g) for n in plen])
+    np.testing.assert_allclose(tb.twin_logits(params, cfg, prompt, plen, xt, refresh, False, jnp.asarray(dflt)),
+                               tb.twin_logits(params, cfg, prompt, plen, xt, refresh), atol=1e-5, rtol=1e-5)
+    pos = np.stack([tb.twin_positions(int(n), pw, g, np.random.default_rng(i), tb.Pose(target=2048, tail_blocks=1))
+                    for i, n in enumerate(plen)])
+    assert pos.max() > pw + g
+    for cache_grad in (False, True):
+        got = tb.twin_logits(params, cfg, prompt, plen, xt, refresh, cache_grad, jnp.asarray(pos))
+        for i in range(2):
+            n = plen[i]
+            toks = np.concatenate([prompt[i, :n], xt[i]])[None]
+            at = np.concatenate([pos[i, :n], pos[i, pw:]])[None]
+            ref = forward_logits(params, cfg, jnp.asarray(toks), jnp.asarray(at))[0]
+            np.testing.assert_allclose(got[i], ref[n - 1:n - 1 + g], atol=2e-4, rtol=2e-4)
+
+
+def test_twin_logits_under_dynamic_yarn_give_the_recomputed_position_the_whole_rows_factor():
+    """dynamic_yarn reads each row's largest id: the one-token recompute of the last prompt position
+    (cache_grad False) must get the factor of the whole [prompt | response] row, as pass 1 (the
+    exact path, cache_grad True) and the engine's fixed run length give it."""
+    from maskahead_jax.model.rope import RopeScaling
+
+    cfg = tiny_cfg(rope_scaling=RopeScaling("dynamic_yarn", factor=8.0, original_max_position_embeddings=16))
+    params = init_params(cfg, jax.random.PRNGKey(9), jnp.float32)
+    prompt, plen, xt = _ragged(cfg, jax.random.PRNGKey(10))  # rows of 48 + 32 and 37 + 32: factor 5, 4.3
+    for refresh in (np.zeros(2, bool), np.ones(2, bool)):
+        a = tb.twin_logits(params, cfg, prompt, plen, xt, refresh, False)
+        b = tb.twin_logits(params, cfg, prompt, plen, xt, refresh, True)
+        np.testing.assert_allclose(a, b, atol=2e-4, rtol=2e-4)
+
+
+def test_pose_flags_are_checked_against_the_model_and_shapes():
+    cfg = tiny_cfg(max_position_embeddings=8192)
+    shapes = tb.parse_shapes("1024:32:2")
+    ok = tb.build_parser().parse_args(["--pose-target", "4096", "--pose-tail-blocks", "8"])
+    assert tb.pose_options(ok, cfg, shapes) == tb.Pose(4096, 1.0, 0, 3, 8)
+    for bad in (["--pose-target", "4010"], ["--pose-target", "16384"], ["--pose-target", "1024"],
+                ["--pose-target", "4096", "--pose-chunks", "1"], ["--pose-target", "4096", "--pose-prob", "0"]):
+        with pytest.raises(SystemExit):
+            tb.pose_options(tb.build_parser().parse_args(bad), cfg, shapes)

@@ -28,6 +28,11 @@ Checkpoints (plain npz: params, optimizer state, step, trained seconds) go to --
 --ckpt-minutes; re-running the same command resumes. Batches are a pure function of (seed,
 step), so a resumed run reads the batches it would have read.
 
+Long context (issue 53): --init-from a long-context export (its RoPE scaling comes along, or
+--rope-scaling replaces it) and --pose-target 32768 give the prompt skip-wise position ids
+(`twin_positions`, PoSE as the block-causal trainer's --pose-target), so the twin learns far
+positions from the same <= 2048-token windows.
+
 Usage:
   python -m experiments.testbed.bidirectional --run-dir runs/twin --minutes 60     # (resumes)
   python -m experiments.testbed.bidirectional --run-dir runs/twin --export-only --out maskahead_jax/testbed_bidir
@@ -143,15 +148,52 @@ class Batch(NamedTuple):
     masked: np.ndarray  # [B, G] bool
     w: np.ndarray  # [B, G] float32 loss weights (before masking)
     refresh: np.ndarray  # [B] bool: pass 1 reads the noised response (else all [MASK])
+    pos: np.ndarray  # [B, P + G] int32 position ids of [prompt | response] (twin_positions)
+
+
+class Pose(NamedTuple):
+    """Skip-wise prompt positions (PoSE) for the twin, as the block-causal trainer's --pose-target."""
+    target: int = 0  # positions < target (0: off, every row at arange)
+    prob: float = 1.0  # share of eligible rows given skip-wise ids
+    min_len: int = 0  # shapes shorter than this keep arange
+    chunks: int = 3
+    tail_blocks: int = 1
+
+
+def twin_positions(plen: int, pw: int, g: int, rng=None, pose: Pose = Pose()) -> np.ndarray:
+    """Position ids [pw + g] of one row [prompt (plen real tokens, padded to pw) | response (g)].
+
+    Without `rng`: the prompt at 0 .. plen - 1, the response right after it (the engine's layout).
+    With it: the prompt's tokens at data.pose_positions' skip-wise ids (chunks cut on block
+    boundaries, the extent log-uniform up to pose.target - g, the question's chunk starting 1 ..
+    tail_blocks blocks before the response) and the response contiguous after the last prompt id,
+    so every id is < pose.target. Padding takes the last prompt id: it is masked out as a key, and a
+    length-dependent RoPE (dynamic_yarn reads each row's largest id) then sees the row's true
+    extent, as the engine's run length fixes it."""
+    if rng is None:
+        ids = np.arange(plen, dtype=np.int64)
+    else:
+        from .data import pose_positions
+
+        L = -(-(plen + 1) // BLOCK) * BLOCK  # whole blocks up to the response's first token
+        w = np.zeros(L, np.float32)
+        w[plen] = 1.0  # the "answer" whose chunk keeps its tail (pose_positions' anchor)
+        ids = pose_positions(rng, L, pose.target - g, w, answer_weight=1.0, chunks=pose.chunks,
+                             tail_blocks=pose.tail_blocks)[:plen].astype(np.int64)
+    last = int(ids[-1])
+    pad = np.full(pw - plen, last, np.int64)
+    return np.concatenate([ids, pad, last + 1 + np.arange(g)]).astype(np.int32)
 
 
 def make_batch(step: int, seed: int, shape: Shape, tok, answer_weight: float = 3.0, pad_weight: float = 0.5,
                semi_ar: float = 0.7, refresh_prob: float = 0.2, edge_depths: float = 0.2,
-               task_weights=(0.1, 0.35, 0.3, 0.25), min_frac: float = 0.4) -> Batch:
+               task_weights=(0.1, 0.35, 0.3, 0.25), min_frac: float = 0.4, pose: Pose = Pose()) -> Batch:
     """The batch of `step`: a pure function of (seed, step, shape). Short-response shapes draw the
     four short tasks by `task_weights`, G = 160 shapes the long answer. Prompt lengths are
     U(min_frac, 1) x shape.length (the evaluation's lengths are requested prompt tokens); training
-    seeds are >= 10**7, the evaluation's are small integers."""
+    seeds are >= 10**7, the evaluation's are small integers. With pose.target a pose.prob share of
+    the rows of shapes >= pose.min_len get skip-wise positions (twin_positions), drawn from a
+    generator of their own: every other draw, and so the batch without the flag, is unchanged."""
     r = random.Random(seed * 1_000_003 + step)
     tasks = SHORT_TASKS if shape.resp == response_len("passkey") else LONG_TASKS
     weights = task_weights if tasks is SHORT_TASKS else (1.0,)
@@ -177,11 +219,14 @@ def make_batch(step: int, seed: int, shape: Shape, tok, answer_weight: float = 3
     masked, _ = noise_response(rng, b, g, semi_ar)
     refresh = rng.uniform(size=b) < refresh_prob
     xt = np.where(masked, T.MASK_ID, x0).astype(np.int32)
-    return Batch(prompt, plen, x0, xt, masked, w, refresh)
+    skip = np.random.default_rng([seed, step, 53]) if pose.target and shape.length >= pose.min_len else None
+    pos = np.stack([twin_positions(int(plen[i]), pw, g, skip if skip and skip.uniform() < pose.prob else None,
+                                   pose) for i in range(b)])
+    return Batch(prompt, plen, x0, xt, masked, w, refresh, pos)
 
 
 # ----------------------------------------------------------------------------- objective
-def twin_logits(params, cfg: ModelConfig, prompt, plen, xt, refresh, cache_grad: bool = False):
+def twin_logits(params, cfg: ModelConfig, prompt, plen, xt, refresh, cache_grad: bool = False, pos=None):
     """Shifted logits [B, G, V] of the response xt [B, G] as the bidirectional engine computes
     them (engine/bidirectional.py): pass 1 = [prompt | all-[MASK] (or, where `refresh`, the
     noised) response] with full attention -> the prompt K/V and the last prompt position's output;
@@ -191,28 +236,41 @@ def twin_logits(params, cfg: ModelConfig, prompt, plen, xt, refresh, cache_grad:
     cache_grad=False (the default; ~3x cheaper on the CPU): no gradient flows back through pass 1
     (the prompt cache is a constant); the last prompt position is recomputed as a one-token block
     against pass 1's K/V of every other position (the same numbers), so the first response token's
-    loss still trains that position's own path. True: the exact gradient through both passes."""
+    loss still trains that position's own path. True: the exact gradient through both passes.
+
+    pos [B, P + G]: the position ids of [prompt | response] (Batch.pos; None: twin_positions'
+    default layout, the prompt at 0 .. plen - 1 and the response right after it)."""
     b, pw = prompt.shape
     g = xt.shape[1]
     L = cfg.num_layers
-    ppos = jnp.broadcast_to(jnp.arange(pw, dtype=jnp.int32), (b, pw))
-    pvalid = ppos < plen[:, None]
-    rpos = plen[:, None] + jnp.arange(g, dtype=jnp.int32)[None]
+    idx = jnp.arange(pw + g, dtype=jnp.int32)
+    if pos is None:
+        last = (plen - 1)[:, None]
+        pos = jnp.where(idx[None] < plen[:, None], idx[None], jnp.where(idx[None] < pw, last, plen[:, None] + idx[None] - pw))
+    pvalid = idx[None, :pw] < plen[:, None]
+    rpos = pos[:, pw:]
     resp1 = jnp.where(refresh[:, None], xt, cfg.mask_token_id)
     key_valid = jnp.concatenate([pvalid, jnp.ones((b, g), bool)], axis=1)
     mask = jnp.broadcast_to(key_valid[:, None, :], (b, pw + g, pw + g))
     out = model_step(params if cache_grad else jax.lax.stop_gradient(params), cfg,
-                     jnp.concatenate([prompt, resp1], 1), jnp.concatenate([ppos, rpos], 1),
-                     mask, [Segment(0, L, None)])
+                     jnp.concatenate([prompt, resp1], 1), pos, mask, [Segment(0, L, None)])
     hkv = cfg.num_kv_heads
     if cache_grad:
         last_h = jnp.take_along_axis(out.hidden, (plen - 1)[:, None, None], axis=1)  # [B, 1, D]
     else:  # the last prompt position as a one-token block over pass 1's other keys
-        other = key_valid & (jnp.concatenate([ppos, rpos], 1) != (plen - 1)[:, None])
+        other = key_valid & (idx[None] != (plen - 1)[:, None])
         lctx = Context(out.k, out.v, jnp.broadcast_to(other[None, :, None, :], (L, b, hkv, pw + g)))
         last_tok = jnp.take_along_axis(prompt, (plen - 1)[:, None], axis=1)
-        last_h = model_step(params, cfg, last_tok, (plen - 1)[:, None], jnp.ones((b, 1, 1), bool),
-                            [Segment(0, L, lctx)]).hidden
+        last_pos = jnp.take_along_axis(pos, (plen - 1)[:, None], axis=1)
+        s = cfg.rope_scaling
+        if s is not None and s.length_dependent and not s.seq_len:
+            # an inert second token at the row's last position, reading only itself: the row's
+            # largest id, and so a length-dependent RoPE's frequencies, are the whole sequence's
+            last_tok = jnp.concatenate([last_tok, jnp.full_like(last_tok, cfg.mask_token_id)], 1)
+            last_pos = jnp.concatenate([last_pos, rpos[:, -1:]], 1)
+        n = last_tok.shape[1]
+        last_h = model_step(params, cfg, last_tok, last_pos, jnp.broadcast_to(jnp.eye(n, dtype=bool), (b, n, n)),
+                            [Segment(0, L, lctx)]).hidden[:, :1]
     valid = jnp.broadcast_to(pvalid[None, :, None, :], (L, b, hkv, pw))
     ctx = Context(out.k[:, :, :, :pw], out.v[:, :, :, :pw], valid)
     o2 = model_step(params, cfg, xt, rpos, jnp.ones((b, g, g), bool), [Segment(0, L, ctx)])
@@ -222,8 +280,8 @@ def twin_logits(params, cfg: ModelConfig, prompt, plen, xt, refresh, cache_grad:
 
 def twin_loss(params, cfg: ModelConfig, batch, cache_grad: bool = False):
     """(loss, accuracy): weighted cross entropy over the masked response positions only."""
-    prompt, plen, x0, xt, masked, w, refresh = batch
-    logits = twin_logits(params, cfg, prompt, plen, xt, refresh, cache_grad)
+    prompt, plen, x0, xt, masked, w, refresh, *pos = batch  # pos: Batch.pos, or none (the default layout)
+    logits = twin_logits(params, cfg, prompt, plen, xt, refresh, cache_grad, pos[0] if pos else None)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, x0)
     wm = w * masked
     loss = (ce * wm).sum() / jnp.maximum(wm.sum(), 1e-6)
@@ -357,7 +415,35 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--eval-minutes", type=float, default=20.0, help="held-out probe + export interval (0: off)")
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--export-only", action="store_true")
+    ap.add_argument("--eval-length", type=int, default=1024, help="prompt tokens of the held-out probe")
+    long = ap.add_argument_group("long context (issue 53): skip-wise positions, RoPE scaling")
+    long.add_argument("--rope-scaling", default=None,
+                      help="replace the init export's RoPE scaling, e.g. dynamic_yarn:16:2048 (default: its own)")
+    long.add_argument("--max-positions", type=int, default=None, help="replace the init export's max_position_embeddings")
+    long.add_argument("--pose-target", type=int, default=0,
+                      help="skip-wise prompt positions up to this id (a multiple of 32, <= the max positions; "
+                           "0: off, every batch exactly as without it); see twin_positions")
+    long.add_argument("--pose-prob", type=float, default=1.0, help="share of eligible rows given skip-wise ids")
+    long.add_argument("--pose-min-len", type=int, default=0, help="shapes shorter than this keep arange positions")
+    long.add_argument("--pose-chunks", type=int, default=3, help="chunks per prompt (>= 2)")
+    long.add_argument("--pose-tail-blocks", type=int, default=1,
+                      help="the question's chunk starts 1..N blocks before the response (N >= 1)")
     return ap
+
+
+def pose_options(args, cfg: ModelConfig, shapes) -> Pose:
+    """The Pose of the flags, checked against the config and the shapes."""
+    pose = Pose(args.pose_target, args.pose_prob, args.pose_min_len, args.pose_chunks, args.pose_tail_blocks)
+    if not pose.target:
+        return pose
+    widest = max(sh.width + sh.resp for sh in shapes)
+    if pose.target % BLOCK or pose.target > cfg.max_position_embeddings or pose.target <= widest:
+        raise SystemExit(f"--pose-target {pose.target}: must be a multiple of {BLOCK}, <= the model's "
+                         f"max_position_embeddings ({cfg.max_position_embeddings}; --max-positions) and "
+                         f"> the widest shape's prompt + response ({widest})")
+    if not 0.0 < pose.prob <= 1.0 or pose.chunks < 2 or pose.tail_blocks < 1:
+        raise SystemExit("--pose-prob must be in (0, 1], --pose-chunks >= 2, --pose-tail-blocks >= 1")
+    return pose
 
 
 def main(argv=None):
@@ -365,8 +451,10 @@ def main(argv=None):
     shapes = parse_shapes(args.shapes)
     from maskahead_jax.api import load_pretrained
 
-    base = load_pretrained(args.init_from, dtype="float32")
+    base = load_pretrained(args.init_from, dtype="float32", rope_scaling=args.rope_scaling,
+                           max_position_embeddings=args.max_positions)
     cfg = twin_config(base.config)
+    pose = pose_options(args, cfg, shapes)
     params = load_init(args.init_from, base.params)
     opt, sched = make_optimizer(args.lr, args.warmup, args.steps)
     opt_state = opt.init(params)
@@ -392,7 +480,7 @@ def main(argv=None):
         shape = shapes[step % len(shapes)]
         t0 = time.perf_counter()
         batch = make_batch(step, args.seed, shape, tok, args.answer_weight, args.pad_weight, args.semi_ar,
-                           args.refresh_prob, args.edge_depths)
+                           args.refresh_prob, args.edge_depths, pose=pose)
         params, opt_state, loss, acc = train_step(params, opt_state, tuple(map(jnp.asarray, batch)))
         loss = float(loss)
         trained += time.perf_counter() - t0
@@ -410,7 +498,8 @@ def main(argv=None):
         if args.eval_minutes and now - t_eval > args.eval_minutes * 60:
             save_checkpoint(args.run_dir, params, opt_state, step, trained)
             export_twin(params, cfg, os.path.join(args.run_dir, f"export_{step}"))
-            print(f"[twin] held-out (1024, n=4) at step {step}: {heldout(params, cfg)}", flush=True)
+            print(f"[twin] held-out ({args.eval_length}, n=4) at step {step}: "
+                  f"{heldout(params, cfg, args.eval_length)}", flush=True)
             t_eval = t_ckpt = time.perf_counter()
     save_checkpoint(args.run_dir, params, opt_state, step, trained)
     export_twin(params, cfg, out)
