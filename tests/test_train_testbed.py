@@ -9,6 +9,7 @@ import random
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -807,8 +808,8 @@ def test_long_cpu_script_command_parses(tmp_path):
     32768, an export that takes 32768-token prompts, the held-out probe at 4096 and 8192; stage 33
     adds YaRN x16 over 2048 and the long answer to the probe, stage 34 Dynamic-YaRN x16 over 2048,
     stage 35 stage 34's flags plus the answer's tail, stage 36 stage 35's plus hard keys, each
-    from the previous stage's state or, on a machine without it, the stage's own newest committed
-    export, else the previous stage's."""
+    from the previous stage's state or, on a machine without it, the stage's carried state in the
+    work tree, else the previous stage's committed export."""
     import subprocess
 
     script = os.path.join(ROOT, "experiments", "testbed", "train_long_cpu.sh")
@@ -851,13 +852,43 @@ def test_long_cpu_script_command_parses(tmp_path):
         assert b["init_from"] == f"experiments/testbed/exports/{fallback}"
         assert os.path.exists(os.path.join(ROOT, b["init_from"], "model.safetensors"))
     assert parsed["35"].pose_tail_blocks == parsed["36"].pose_tail_blocks == 24 and parsed["36"].hard_keys == 0.5
-    # a new machine with this stage's own exports committed: the newest of them (numeric order)
-    for step in (90, 400):
-        (tmp_path / "exports" / f"stage36_step{step}").mkdir(parents=True)
-    env = dict(os.environ, DRY_RUN="1", STAGE="36", TB_LONG_DIR=str(tmp_path / "tb36b"),
-               STAGE35_STATE=str(tmp_path / "none"), OWN_EXPORTS=str(tmp_path / "exports"))
+    # a new machine with this stage's carried state in the work tree: resumed from it (a copy in
+    # $D/state), no --init-from; CARRY=1 writes it from $D/state
+    carried = tmp_path / "carry36"
+    carried.mkdir()
+    (carried / "params.npz").write_bytes(b"x")
+    env = dict(os.environ, DRY_RUN="1", STAGE="36", TB_LONG_DIR=str(tmp_path / "tb36b"), CARRIED=str(carried),
+               STAGE35_STATE=str(tmp_path / "none"))
     out = subprocess.run(["bash", script], env=env, capture_output=True, text=True, check=True).stdout
-    assert tt.build_parser().parse_args(out.splitlines()[5:]).init_from == str(tmp_path / "exports" / "stage36_step400")
+    args = tt.build_parser().parse_args(out.splitlines()[5:])
+    assert args.init_from == "maskahead_jax/testbed" and args.resume_state == str(tmp_path / "tb36b" / "state")
+    assert (tmp_path / "tb36b" / "state" / "params.npz").read_bytes() == b"x"
+
+
+def test_carried_state_keeps_the_clock_and_bf16_params_without_moments(tmp_path):
+    """state.carry: the portable state slimmed for the work tree: params in bfloat16 (what a
+    resume reads back as float32), step / elapsed / config and metrics.jsonl kept, opt.npz left
+    out (the resumed run warms fresh moments up from that step)."""
+    import ml_dtypes
+
+    from experiments.testbed import state as st
+
+    params = {"a": jnp.linspace(-1, 1, 96, dtype=jnp.float32).reshape(8, 12), "b": {"c": jnp.ones(5, jnp.float32) / 3}}
+    opt = tt.make_optimizer(1e-3)
+    info = st.save_state(str(tmp_path / "s"), params, opt.init(params), 417, 1234.5)
+    assert info["opt_saved"] and info["params_dtype"] == "float32"
+    (tmp_path / "s" / "metrics.jsonl").write_text('{"step": 410, "elapsed": 1200.0, "exported": "x"}\n')
+    got = st.carry(str(tmp_path / "s"), str(tmp_path / "c"))
+    assert got["step"] == 417 and sorted(os.listdir(tmp_path / "c")) == ["metrics.jsonl", "params.npz"]
+    p, o, step, elapsed, meta = st.load_state(str(tmp_path / "c"), params, opt.init(params))
+    assert o is None and step == 417 and elapsed == 1234.5 and meta["params_dtype"] == "bfloat16"
+    bf16 = lambda x: np.asarray(x).astype(ml_dtypes.bfloat16).astype(np.float32)
+    assert np.array_equal(np.asarray(p["a"]), bf16(params["a"])) and np.array_equal(np.asarray(p["b"]["c"]), bf16(params["b"]["c"]))
+    assert (tmp_path / "c" / "metrics.jsonl").read_text() == (tmp_path / "s" / "metrics.jsonl").read_text()
+    again = st.carry(str(tmp_path / "c"), str(tmp_path / "c2"))  # a carried state carries as it is
+    assert again["step"] == 417
+    with pytest.raises(SystemExit, match="no portable state"):
+        st.carry(str(tmp_path / "none"), str(tmp_path / "c3"))
 
 
 def test_resumed_timers_count_from_the_last_probe_and_export(tmp_path):

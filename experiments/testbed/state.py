@@ -116,3 +116,39 @@ def load_state(state_dir: str, params_like, opt_like):
         opt_state = jax.tree_util.tree_unflatten(odef, [jnp.asarray(g, np.asarray(l).dtype)
                                                         for g, l in zip(got, leaves)])
     return params, opt_state, int(meta["step"]), float(meta["elapsed"]), meta
+
+
+def carry(src: str, dst: str) -> dict:
+    """A slim copy of the portable state in `src` for the work tree (a new machine keeps nothing
+    else): params.npz in bfloat16 with its clock (step, elapsed) and config, and metrics.jsonl
+    (the resumed run's probe / export timers read it); no opt.npz, so a run resumed from it
+    continues the step count and the data stream with fresh moments, warmed up again. Returns
+    {"step", "params_mb"}."""
+    import ml_dtypes
+
+    if not has_state(src):
+        raise SystemExit(f"carry: no portable state in {src} (no {PARAMS})")
+    meta = read_meta(src)
+    with np.load(os.path.join(src, PARAMS)) as z:
+        stored = {k: z[k] for k in z.files if k.startswith("p:")}
+    if meta.get("params_dtype") != "bfloat16":
+        stored = {k: v.astype(ml_dtypes.bfloat16).view(np.uint16) for k, v in stored.items()}
+    meta["params_dtype"] = "bfloat16"
+    os.makedirs(dst, exist_ok=True)
+    stored["meta"] = np.frombuffer(json.dumps(meta, default=str).encode(), np.uint8)
+    _write_npz(os.path.join(dst, PARAMS), stored)
+    for name in (METRICS,):
+        if os.path.exists(os.path.join(src, name)):
+            with open(os.path.join(src, name)) as f, open(os.path.join(dst, name), "w") as g:
+                g.write(f.read())
+    if os.path.exists(os.path.join(dst, OPT)):
+        os.remove(os.path.join(dst, OPT))
+    return {"step": int(meta["step"]), "params_mb": round(os.path.getsize(os.path.join(dst, PARAMS)) / 2 ** 20, 2)}
+
+
+if __name__ == "__main__":  # python -m experiments.testbed.state carry SRC DST
+    import sys
+
+    if len(sys.argv) != 4 or sys.argv[1] != "carry":
+        raise SystemExit("usage: python -m experiments.testbed.state carry SRC_STATE_DIR DST_DIR")
+    print(json.dumps(carry(sys.argv[2], sys.argv[3])))

@@ -11,6 +11,8 @@
 #   STAGE=33 bash experiments/testbed/train_long_cpu.sh # stage 33 (stage 32 under static YaRN x16)
 #   STAGE=32 bash experiments/testbed/train_long_cpu.sh # stage 32 as it ran (PoSE, plain RoPE)
 #   tail -f ~/.cache/maskahead-jax/tb-dyn36/log.txt     # progress, [eval] lines
+#   CARRY=1 bash experiments/testbed/train_long_cpu.sh  # before a session stops: the last saved state,
+#                                                       # slim, into experiments/testbed/carry/stage36 (commit it)
 #
 # Stage 33 is stage 32's flags plus YaRN (x16 over 2048 positions: the frequencies and attention
 # temperature the export then carries in its config.json) and the long answer in the probe; its
@@ -45,21 +47,17 @@ set -eu
 cd "$(dirname "$0")/../.."
 STAGE=${STAGE:-36}
 # start_from STATE [EXPORT]: a stage's first start copies the previous stage's portable state into
-# $D/state; on a machine without that state it continues from this stage's own newest committed
-# export (a session commits one before it stops: a new machine keeps nothing outside the work tree),
-# else starts from the previous stage's committed EXPORT (either way with fresh optimizer moments
-# and the step count from 0), or, with none given, refuses to start
-# own_export: the newest committed export of this stage ($OWN_EXPORTS/stage${STAGE}_step<N>), if any
-own_export() {
-  ls -d "${OWN_EXPORTS:-experiments/testbed/exports}"/stage"${STAGE}"_step* 2>/dev/null | sort -V | tail -n 1
-}
+# $D/state. On a new machine (nothing outside the work tree survives) it resumes this stage's
+# carried state, experiments/testbed/carry/stage$STAGE (`CARRY=1 bash ...` writes it from $D/state
+# before a session stops: bfloat16 params, the step count and the metrics log, no optimizer moments),
+# else starts from the previous stage's committed EXPORT (fresh optimizer moments, steps from 0), or,
+# with none given, refuses to start
 start_from() {
   [ -f "$D/state/params.npz" ] && return 0
-  if [ -f "$1/params.npz" ]; then
+  if [ -f "$CARRIED/params.npz" ]; then  # a new machine: this stage's state as the last session left it
+    mkdir -p "$D" && cp -r "$CARRIED" "$D/state" && echo "stage $STAGE: resuming the carried state $CARRIED" >&2
+  elif [ -f "$1/params.npz" ]; then
     mkdir -p "$D" && cp -r "$1" "$D/state" && echo "stage $STAGE: copied the previous stage's state from $1" >&2
-  elif [ -n "$(own_export)" ]; then  # this stage's own newest committed export: a new machine
-    echo "stage $STAGE: no state in $D; continuing from its committed export $(own_export)" >&2
-    EXTRA+=(--init-from "$(own_export)")
   elif [ -n "${2:-}" ]; then
     echo "stage $STAGE: no previous state at $1; starting from $2" >&2
     EXTRA+=(--init-from "$2")
@@ -68,6 +66,7 @@ start_from() {
   fi
 }
 PY=${PYTHON:-.venv/bin/python}
+CARRIED=${CARRIED:-experiments/testbed/carry/stage$STAGE}
 case "$STAGE" in
   32) D=${TB_LONG_DIR:-$HOME/.cache/maskahead-jax/tb-long}; EXTRA=(--eval-tasks passkey,multikey --minutes 480) ;;
   33) D=${TB_LONG_DIR:-$HOME/.cache/maskahead-jax/tb-yarn}
@@ -98,6 +97,10 @@ CMD=(nice -n 19 "$PY" experiments/train_testbed.py
   --ckpt-minutes 10 --export-minutes 60 --final-lengths 4096,8192 --final-n 8
   --run-dir "$D/run" --save-state "$D/state" --resume-state "$D/state" --out "$D/export"
   "${EXTRA[@]}" "$@")
+if [ -n "${CARRY:-}" ]; then  # before a session stops: the state, slim, into the work tree (commit it)
+  "$PY" -m experiments.testbed.state carry "$D/state" "$CARRIED"
+  exit 0
+fi
 if [ -n "${DRY_RUN:-}" ]; then  # print the command, one argument per line, and start nothing
   printf '%s\n' "${CMD[@]}"
   exit 0
