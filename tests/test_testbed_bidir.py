@@ -274,3 +274,21 @@ def test_pose_flags_are_checked_against_the_model_and_shapes():
                 ["--pose-target", "4096", "--pose-chunks", "1"], ["--pose-target", "4096", "--pose-prob", "0"]):
         with pytest.raises(SystemExit):
             tb.pose_options(tb.build_parser().parse_args(bad), cfg, shapes)
+
+
+def test_twin_long_cpu_script_command_parses(tmp_path):
+    """experiments/testbed/train_twin_long_cpu.sh (DRY_RUN=1 prints the command) runs
+    bidirectional.py with flags that parse and pass its checks against the export it starts from:
+    skip-wise positions to 32768 under that export's Dynamic-YaRN, the probe at 8192."""
+    import subprocess
+
+    script = os.path.join(ROOT, "experiments", "testbed", "train_twin_long_cpu.sh")
+    env = dict(os.environ, DRY_RUN="1", TWIN_LONG_DIR=str(tmp_path))
+    argv = subprocess.run(["bash", script], env=env, capture_output=True, text=True, check=True).stdout.splitlines()
+    assert argv[:3] == ["nice", "-n", "19"] and argv[4:6] == ["-m", "experiments.testbed.bidirectional"]
+    args = tb.build_parser().parse_args(argv[6:])
+    assert args.run_dir == str(tmp_path / "run") and args.eval_length == 8192
+    base = load_pretrained(os.path.join(ROOT, args.init_from))
+    cfg = tb.twin_config(base.config)
+    assert cfg.rope_scaling.type == "dynamic_yarn" and cfg.attention == "bidirectional"
+    assert tb.pose_options(args, cfg, tb.parse_shapes(args.shapes)).target == 32768
