@@ -101,16 +101,5 @@ if [ -n "${CARRY:-}" ]; then  # before a session stops: the state, slim, into th
   "$PY" -m experiments.testbed.state carry "$D/state" "$CARRIED"
   exit 0
 fi
-if [ -n "${DRY_RUN:-}" ]; then  # print the command, one argument per line, and start nothing
-  printf '%s\n' "${CMD[@]}"
-  exit 0
-fi
-mkdir -p "$D"
-if [ -f "$D/pid" ] && ps -p "$(cat "$D/pid")" -o args= 2>/dev/null | grep -q train_testbed; then
-  echo "already running: pid $(cat "$D/pid") (log $D/log.txt)"
-  exit 0
-fi
-echo "=== $(date -u) stage $STAGE start/resume, git $(git rev-parse --short HEAD 2>/dev/null)" >> "$D/log.txt"
-nohup "${CMD[@]}" >> "$D/log.txt" 2>&1 &
-echo $! > "$D/pid"
-echo "pid $! (log $D/log.txt)"
+. experiments/testbed/background.sh
+run_in_background "$D" "stage $STAGE" "${CMD[@]}"

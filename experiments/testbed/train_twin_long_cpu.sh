@@ -20,16 +20,5 @@ CMD=(nice -n 19 "$PY" -m experiments.testbed.bidirectional
   --minutes 60 --steps 600 --lr 5e-5 --warmup 10 --seed 53
   --pose-target 32768 --pose-prob 0.75 --pose-min-len 1024 --pose-tail-blocks 24
   --eval-minutes 30 --eval-length 8192 --ckpt-minutes 5 "$@")
-if [ -n "${DRY_RUN:-}" ]; then
-  printf '%s\n' "${CMD[@]}"
-  exit 0
-fi
-mkdir -p "$D"
-if [ -f "$D/pid" ] && ps -p "$(cat "$D/pid")" -o args= 2>/dev/null | grep -q bidirectional; then
-  echo "already running: pid $(cat "$D/pid") (log $D/log.txt)"
-  exit 0
-fi
-echo "=== $(date -u) twin (long) start/resume, git $(git rev-parse --short HEAD 2>/dev/null)" >> "$D/log.txt"
-nohup "${CMD[@]}" >> "$D/log.txt" 2>&1 &
-echo $! > "$D/pid"
-echo "pid $! (log $D/log.txt)"
+. experiments/testbed/background.sh
+run_in_background "$D" "twin (long)" "${CMD[@]}"
