@@ -419,11 +419,12 @@ def test_export_writes_the_scaling_back():
 
 def test_committed_long_context_exports_load_with_the_scaling_they_were_trained_under():
     """The issue 53 exports kept in experiments/testbed/exports read back as trained: stage 32
-    with plain RoPE, stages 34 and 35 with Dynamic-YaRN x16 over 2048 from their
+    with plain RoPE, stages 34 and 35 and the long twin with Dynamic-YaRN x16 over 2048 from their
     `maskahead_rope_scaling`."""
     root = os.path.join(os.path.dirname(TESTBED), "..", "experiments", "testbed", "exports")
     plain = mj.load_pretrained(os.path.join(root, "stage32")).config
     assert plain.rope_scaling is None and plain.max_position_embeddings >= 32768
-    for name in ("stage34_step234", "stage35_step790"):
+    for name in ("stage34_step234", "stage35_step790", "twin_long_step665"):
         dyn = mj.load_pretrained(os.path.join(root, name)).config
         assert dyn.rope_scaling == RopeScaling("dynamic_yarn", 16.0, 2048) and dyn.max_position_embeddings == 33280
+        assert dyn.attention == ("bidirectional" if name.startswith("twin") else "block_causal")
