@@ -820,7 +820,7 @@ def test_long_cpu_script_command_parses(tmp_path):
     for stage in ("32", "33", "34", "35", "36"):
         env = dict(os.environ, DRY_RUN="1", STAGE=stage, TB_LONG_DIR=str(tmp_path / f"tb{stage}"),
                    STAGE32_STATE=str(s32), STAGE34_STATE=str(tmp_path / "none"),
-                   STAGE35_STATE=str(tmp_path / "none"), OWN_EXPORTS=str(tmp_path / "exports"))
+                   STAGE35_STATE=str(tmp_path / "none"), CARRIED=str(tmp_path / "no_carry"))
         out = subprocess.run(["bash", script], env=env, capture_output=True, text=True, check=True).stdout
         argv = out.splitlines()
         assert argv[:3] == ["nice", "-n", "19"] and argv[4] == "experiments/train_testbed.py"
