@@ -285,8 +285,9 @@ def pose_positions(rng: np.random.Generator, L: int, target: int, w=None, answer
     the answer (the long answer's whole station list, a needle at depth 1) contiguous with it at
     the window's far extent, the local layout inference has at every length (stage 35; no other
     cut falls inside that tail). The other cuts are uniform among the remaining boundaries.
-    How far: the window's whole extent (last id + 1) is drawn log-uniform in [L, target] (so 4k, 8k, 16k and 32k are all trained, the 4k-16k goals
-    about as often as 16k-32k; PoSE draws the skip uniform), and the skipped blocks are split
+    How far: the window's whole extent (last id + 1) is drawn log-uniform in [L, target] (so 4k,
+    8k, 16k and 32k are all trained, the 4k-16k goals about as often as 16k-32k; PoSE draws the
+    skip uniform), and the skipped blocks are split
     among the gaps uniformly (CREAM's middle chunk anywhere, not only at the ends)."""
     nb = L // block
     if target <= L or nb < 2 or chunks < 2:

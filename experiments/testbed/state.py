@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 
 import jax
 import numpy as np
@@ -137,10 +138,8 @@ def carry(src: str, dst: str) -> dict:
     os.makedirs(dst, exist_ok=True)
     stored["meta"] = np.frombuffer(json.dumps(meta, default=str).encode(), np.uint8)
     _write_npz(os.path.join(dst, PARAMS), stored)
-    for name in (METRICS,):
-        if os.path.exists(os.path.join(src, name)):
-            with open(os.path.join(src, name)) as f, open(os.path.join(dst, name), "w") as g:
-                g.write(f.read())
+    if os.path.exists(os.path.join(src, METRICS)):
+        shutil.copyfile(os.path.join(src, METRICS), os.path.join(dst, METRICS))
     if os.path.exists(os.path.join(dst, OPT)):
         os.remove(os.path.join(dst, OPT))
     return {"step": int(meta["step"]), "params_mb": round(os.path.getsize(os.path.join(dst, PARAMS)) / 2 ** 20, 2)}
