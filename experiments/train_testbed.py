@@ -5,6 +5,7 @@ This file is the command line; the pieces are the package `experiments/testbed/`
                 contexts, one-token-key recall, induction), the two-copy noise, data flags
   prefetch.py   batches built ahead in CPU worker processes (--workers)
   objective.py  two-copy block diffusion: logits, loss, the jitted train step, the optimizer
+  real_long.py  --real-long: real L-token rows, a prefix cache without gradient, the tail trained
   surgery.py    --init-from / --grow-after / --grow-heads
   clock.py      ActiveClock, the gated length curriculum (--stages), the learning-rate schedule
   heldout.py    held-out accuracy through the library's own cached `generate`
@@ -85,6 +86,7 @@ from experiments.testbed.heldout import heldout_eval
 from experiments.testbed.objective import (make_optimizer, make_train_step, two_copy_logits,  # noqa: F401
                                            two_copy_mask)
 from experiments.testbed.prefetch import BatchPrefetcher
+from experiments.testbed.real_long import make_long_batch, make_long_step, parse_real_long
 from experiments.testbed.state import has_state, load_state, save_state
 from experiments.testbed.surgery import (grow_heads, grow_layers, load_init,  # noqa: F401
                                          loaded_logits_shift, parse_grow_after)
@@ -220,6 +222,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "[1, this] (1: only the question's last block; 24: the long answer's station "
                          "list and a needle right before the question stay next to the answer at far "
                          "positions; stage 35)")
+    ap.add_argument("--real-long", default=None,
+                    help="L:TAIL:EVERY (e.g. 8192:512:4): every EVERY-th step is one real L-token task "
+                         "row, its first L - TAIL tokens a cache from a forward without gradient, its last "
+                         "TAIL tokens (the prompt's end, the answer) trained in the two-copy layout on "
+                         "top (testbed/real_long.py; stage 37). Default: off")
     ap.add_argument("--eval-lengths", default=None,
                     help="lengths of the periodic held-out probe (e.g. 512,4096,8192; default: the "
                          "stage's length capped at 512)")
@@ -244,6 +251,10 @@ def check_data_flags(args) -> None:
                          "(0: no limit)")
     if getattr(args, "log_every", 1) < 1:
         raise SystemExit(f"bad --log-every {args.log_every}: need a step count >= 1")
+    real = parse_real_long(getattr(args, "real_long", None))
+    maxpos = getattr(args, "max_positions", None) or MAX_POSITIONS
+    if real.length > maxpos:
+        raise SystemExit(f"bad --real-long {args.real_long}: its rows ({real.length}) pass --max-positions {maxpos}")
     if parse_grow_after(getattr(args, "grow_after", None)) and not getattr(args, "init_from", None):
         raise SystemExit("--grow-after deepens the model loaded by --init-from; pass --init-from too")
     if getattr(args, "grow_heads", False) and not getattr(args, "init_from", None):
@@ -410,6 +421,7 @@ def main(argv=None):
     ema = None
     stage, heldout = 0, last_heldout(log_path)  # resume: the gate sees the last held-out accuracy
     plan, eval_tasks = eval_plan(args)
+    real = parse_real_long(args.real_long)
 
     def save_portable():
         if not args.save_state or args.smoke:
@@ -439,16 +451,23 @@ def main(argv=None):
         frac = elapsed / budget
         stage = curriculum(frac, stages, stage, heldout, args.gate)
         B, L, dense = batch_shape(stages[stage], step)
-        if L not in steps_fns:
-            steps_fns[L] = make_train_step(cfg, opt, L)
         lr = learning_rate(step - warm_from, frac, args.lr, args.warmup, args.constant_lr)
         opt_state.hyperparams["learning_rate"] = jnp.asarray(lr, jnp.float32)
-        if prefetch:
-            batch = prefetch.get(step, functools.partial(batch_shape, stages[stage]))
+        if real.due(step):  # a real long row: a cache without gradient, the tail trained on it
+            L, fn = real.length, "real"
+            if fn not in steps_fns:
+                steps_fns[fn] = make_long_step(cfg, opt)
+            batch = make_long_batch(step, args.seed, tok, args, real)
         else:
-            batch = make_batch(step, args.seed, B, L, tok, args, dense)
+            fn = L
+            if L not in steps_fns:
+                steps_fns[L] = make_train_step(cfg, opt, L)
+            if prefetch:
+                batch = prefetch.get(step, functools.partial(batch_shape, stages[stage]))
+            else:
+                batch = make_batch(step, args.seed, B, L, tok, args, dense)
         # (xt, x0, masked, w), plus the position ids with --pose-target
-        params, opt_state, loss, acc = steps_fns[L](params, opt_state, *batch)
+        params, opt_state, loss, acc = steps_fns[fn](params, opt_state, *batch)
         loss = float(loss)
         ema = loss if ema is None else 0.98 * ema + 0.02 * loss
         step += 1

@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
-# Stages 32-36 (issue 53): long positions from short windows on the CPU, in the background.
+# Stages 32-37 (issue 53): long positions from short windows on the CPU, in the background.
 # Starts the run, or resumes it where its last checkpoint left it (the same command every time;
 # a session's end kills the process, the next session runs this again). Niced (19), so it takes
-# only the CPU time nobody else wants. docs/testbed_history.md, "Stage 32" ... "Stage 36",
+# only the CPU time nobody else wants. docs/testbed_history.md, "Stage 32" ... "Stage 37",
 # says what and why.
 #
-#   bash experiments/testbed/train_long_cpu.sh          # stage 36 (the running one): start / resume
+#   bash experiments/testbed/train_long_cpu.sh          # stage 37 (the running one): start / resume
+#   STAGE=36 bash experiments/testbed/train_long_cpu.sh # stage 36 (stage 35 plus hard keys)
 #   STAGE=35 bash experiments/testbed/train_long_cpu.sh # stage 35 (stage 34 plus the answer's tail)
 #   STAGE=34 bash experiments/testbed/train_long_cpu.sh # stage 34 (stage 29 under Dynamic-YaRN)
 #   STAGE=33 bash experiments/testbed/train_long_cpu.sh # stage 33 (stage 32 under static YaRN x16)
 #   STAGE=32 bash experiments/testbed/train_long_cpu.sh # stage 32 as it ran (PoSE, plain RoPE)
-#   tail -f ~/.cache/maskahead-jax/tb-dyn36/log.txt     # progress, [eval] lines
+#   tail -f ~/.cache/maskahead-jax/tb-dyn37/log.txt     # progress, [eval] lines
 #   CARRY=1 bash experiments/testbed/train_long_cpu.sh  # before a session stops: the last saved state,
-#                                                       # slim, into experiments/testbed/carry/stage36 (commit it)
+#                                                       # slim, into experiments/testbed/carry/stage37 (commit it)
 #
 # Stage 33 is stage 32's flags plus YaRN (x16 over 2048 positions: the frequencies and attention
 # temperature the export then carries in its config.json) and the long answer in the probe; its
@@ -33,9 +34,15 @@
 # Stage 36 is stage 35 continued (from tb-dyn35/state) with hard keys (--hard-keys 0.5: 1-4
 # distractor keys sharing one word with the asked key): every multi-key miss at 8192 depth 1 was
 # such a key's value, far away, preferred over the asked key right before the question.
+# Stage 37 is stage 36 continued (from tb-dyn36/state, or on a new machine stage 36's carried state)
+# with real long rows (--real-long 8192:512:3, testbed/real_long.py): every third step one real
+# 8192-token task row, its first 7680 tokens a cache from a forward without gradient, its last 512
+# (the prompt's end, the question, the answers) trained on top; skip-wise ids on 3 in 4 of them as
+# on the short rows. Stages 32-36 never saw a context longer than 2560 real tokens: at 8192 every
+# query spreads over 3-4x the keys (the twin's pass key at 8192 moved only with real long prompts).
 #
 # State (never in the work tree): $TB_LONG_DIR (default ~/.cache/maskahead-jax/ + tb-long for
-# stage 32, tb-yarn for 33, tb-dyn for 34, tb-dyn35 / tb-dyn36 for 35 / 36):
+# stage 32, tb-yarn for 33, tb-dyn for 34, tb-dyn35 / 36 / 37 for 35 / 36 / 37):
 #   run/ckpt/          orbax checkpoints (every 10 training minutes; the two newest kept)
 #   run/metrics.jsonl  loss every 5 steps, held-out evals ({"eval": ..., "eval_L": 512|4096|8192})
 #   state/             the portable state (params.npz, opt.npz, metrics.jsonl) at every checkpoint
@@ -45,7 +52,7 @@
 # command (one argument per line) and starts nothing (stages 33, 35 and 36 still copy their start state).
 set -eu
 cd "$(dirname "$0")/../.."
-STAGE=${STAGE:-36}
+STAGE=${STAGE:-37}
 # start_from STATE [EXPORT]: a stage's first start copies the previous stage's portable state into
 # $D/state. On a new machine (nothing outside the work tree survives) it resumes this stage's
 # carried state, experiments/testbed/carry/stage$STAGE (`CARRY=1 bash ...` writes it from $D/state
@@ -72,7 +79,7 @@ case "$STAGE" in
   33) D=${TB_LONG_DIR:-$HOME/.cache/maskahead-jax/tb-yarn}
       EXTRA=(--rope-scaling yarn:16:2048 --eval-tasks passkey,multikey,longanswer --minutes 1200)
       start_from "${STAGE32_STATE:-$HOME/.cache/maskahead-jax/tb-long/state}" ;;
-  34|35|36) DYN=(--rope-scaling dynamic_yarn:16:2048 --seed 34 --lr 5e-5 --edge-depths 0.3
+  34|35|36|37) DYN=(--rope-scaling dynamic_yarn:16:2048 --seed 34 --lr 5e-5 --edge-depths 0.3
              --stages '0:512|2560|1024|2560|4096:8|2|4|2|1:0.3'
              --eval-tasks passkey,multikey,longanswer --minutes 1200) ;;&
   34) D=${TB_LONG_DIR:-$HOME/.cache/maskahead-jax/tb-dyn}  # from stage 29's export itself, no copied state
@@ -83,7 +90,13 @@ case "$STAGE" in
   36) D=${TB_LONG_DIR:-$HOME/.cache/maskahead-jax/tb-dyn36}
       EXTRA=("${DYN[@]}" --pose-tail-blocks 24 --hard-keys 0.5 --eval-minutes 90 --export-minutes 45)
       start_from "${STAGE35_STATE:-$HOME/.cache/maskahead-jax/tb-dyn35/state}" experiments/testbed/exports/stage35_step790 ;;
-  *) echo "STAGE must be 32, 33, 34, 35 or 36, got $STAGE"; exit 1 ;;
+  37) D=${TB_LONG_DIR:-$HOME/.cache/maskahead-jax/tb-dyn37}
+      EXTRA=("${DYN[@]}" --pose-tail-blocks 24 --hard-keys 0.5 --eval-minutes 90 --export-minutes 45
+             --real-long 8192:512:3)
+      PREV=${STAGE36_STATE:-$HOME/.cache/maskahead-jax/tb-dyn36/state}
+      [ -f "$PREV/params.npz" ] || PREV=${STAGE36_CARRIED:-experiments/testbed/carry/stage36}
+      start_from "$PREV" experiments/testbed/exports/stage35_step790 ;;
+  *) echo "STAGE must be 32, 33, 34, 35, 36 or 37, got $STAGE"; exit 1 ;;
 esac
 CMD=(nice -n 19 "$PY" experiments/train_testbed.py
   --init-from maskahead_jax/testbed --logits-shift --seed 53 --layers 6 --heads 8 --kv-heads 4 --head-dim 32

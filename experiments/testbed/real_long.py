@@ -1,0 +1,146 @@
+"""Real long rows for the block-causal trainer (--real-long L:TAIL:EVERY, issue 53).
+
+Skip-wise positions teach the testbed far distances inside <= 2048-token windows, but never the
+dilution of a real 8192-token context: every query then spreads its attention over 4x the keys
+any window had (the twin's pass key at 8192 moved only once it saw real long prompts). The
+two-copy objective over a whole 8192-token row does not fit in 24 GB here, so a real long row is
+trained as generation reads it: the row's first L - TAIL tokens (clean) go through one forward
+without gradient, which leaves every layer's keys / values (the prompt cache), and only its last
+TAIL tokens (the question and the answer, the prompt's last blocks) are trained in the two-copy
+layout on top of that cache. The logits are the whole row's two-copy logits at the tail, number
+for number (tests/test_real_long.py); the gradient leaves out the prefix's keys / values.
+
+Every EVERY-th step is such a row (batch 1); the rows are task rows whose prompt ends inside the
+tail (the depth's needle, the question and its answer there; the far context in the cache), and
+with --pose-target they take skip-wise ids like the other rows (real dilution at far distances).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from maskahead_jax.kernels.reference import chunking
+from maskahead_jax.model.decoder import Context, Segment, full_mask, lm_head, model_step
+from maskahead_jax.model.two_copy import two_copy_mask
+
+from .data import BLOCK, make_batch
+
+
+@dataclasses.dataclass(frozen=True)
+class RealLong:
+    length: int = 0  # the row's tokens (0: off)
+    tail: int = 512  # the trained tail (a multiple of the block)
+    every: int = 4  # one step in `every` is a real long row
+
+    @property
+    def prefix(self) -> int:
+        return self.length - self.tail
+
+    def due(self, step: int) -> bool:
+        """Whether training step `step` (0-based) is a real long row."""
+        return bool(self.length) and step % self.every == self.every - 1
+
+
+def parse_real_long(text) -> RealLong:
+    """'L:TAIL:EVERY' (e.g. 8192:512:4) -> RealLong; None / '' / '0' -> off. A malformed value
+    exits with a message naming --real-long."""
+    if not text or str(text).strip() == "0":
+        return RealLong()
+    parts = str(text).split(":")
+    try:
+        length, tail, every = (int(p) for p in parts)
+    except ValueError:
+        raise SystemExit(f"bad --real-long {text!r}: need L:TAIL:EVERY, e.g. 8192:512:4") from None
+    if length <= 0 or tail <= 0 or length % BLOCK or tail % BLOCK or tail >= length:
+        raise SystemExit(f"bad --real-long {text!r}: L and TAIL must be positive multiples of the block "
+                         f"({BLOCK}) with TAIL < L")
+    if every < 1:
+        raise SystemExit(f"bad --real-long {text!r}: EVERY must be >= 1")
+    return RealLong(length, tail, every)
+
+
+def row_args(args, spec: RealLong):
+    """The data flags of a real long row: task rows only (no copy / MQAR-only / packed rows) whose
+    prompt ends inside the tail: its share of the row is U((L - 0.9 TAIL) / L, (L - 0.3 TAIL) / L)."""
+    a = copy.copy(args)
+    lo, hi = (spec.length - 0.9 * spec.tail) / spec.length, (spec.length - 0.3 * spec.tail) / spec.length
+    a.prompt_frac = f"{lo:.6f}:{hi:.6f}"
+    a.copy_prob, a.mqar_prob = 0.0, 0.0
+    return a
+
+
+def make_long_batch(step: int, seed: int, tok, args, spec: RealLong):
+    """(prefix [1, P], prefix ids [1, P], x_t / x0 / masked / w / ids of the tail [1, TAIL]): the
+    batch of `step` at length L (make_batch's noise, answer-only rows and skip-wise ids), the
+    prefix clean as a prompt is."""
+    out = make_batch(step, seed, 1, spec.length, tok, row_args(args, spec), dense=0.0)
+    xt, x0, masked, w = out[:4]
+    pos = out[4] if len(out) > 4 else np.arange(spec.length, dtype=np.int32)[None]
+    p = spec.prefix
+    return (x0[:, :p], pos[:, :p], xt[:, p:], x0[:, p:], masked[:, p:], w[:, p:], pos[:, p:])
+
+
+def prefix_cache(params, cfg, prefix, ppos, last_pos):
+    """The clean prefix [B, P] at ids ppos through every layer, no gradient: (Context over its
+    keys / values, its last position's final hidden state [B, 1, D]). An inert token at the row's
+    last id last_pos [B, 1] (a later block than every prefix token: none of them reads it) makes a
+    length-dependent RoPE (dynamic_yarn) read the whole row's extent, as the tail's pass does."""
+    sp = jax.lax.stop_gradient(params)
+    b, p = prefix.shape
+    toks = jnp.concatenate([prefix, jnp.full((b, 1), cfg.mask_token_id, prefix.dtype)], 1)
+    pos = jnp.concatenate([ppos, last_pos], 1).astype(jnp.int32)
+    out = model_step(sp, cfg, toks, pos, full_mask(pos, "block_causal", cfg.block_size),
+                     [Segment(0, cfg.num_layers, None)])
+    valid = jnp.ones((cfg.num_layers, b, cfg.num_kv_heads, p), bool)
+    ctx = Context(jax.lax.stop_gradient(out.k[:, :, :, :p]), jax.lax.stop_gradient(out.v[:, :, :, :p]), valid)
+    return ctx, jax.lax.stop_gradient(out.hidden[:, p - 1:p])
+
+
+def tail_logits(params, cfg, prefix, ppos, xt, x0, tpos):
+    """Logits [B, TAIL, V] of the tail's noisy copy xt [B, TAIL] in the two-copy layout over the
+    prefix cache: x_t block b reads the prefix, the clean x0 blocks < b and itself; x0 reads the
+    prefix and its blocks <= b (what objective.two_copy_logits computes over the whole row there)."""
+    ctx, last_h = prefix_cache(params, cfg, prefix, ppos, tpos[:, -1:])
+    b, t = xt.shape
+    mask = jnp.broadcast_to(jnp.asarray(two_copy_mask(t, cfg.block_size)), (b, 2 * t, 2 * t))
+    pos = jnp.concatenate([tpos, tpos], 1).astype(jnp.int32)
+    with chunking(min_elems=1 << 62):  # the one-softmax path: the chunked one's loop has no gradient
+        h = model_step(params, cfg, jnp.concatenate([xt, x0], 1), pos, mask,
+                       [Segment(0, cfg.num_layers, ctx)]).hidden
+    if not cfg.logits_shift:
+        return lm_head(params, cfg, h[:, :t])
+    # token p from p - 1: a block's first token from the clean copy (the tail's first: the prefix)
+    first = (jnp.arange(t) % cfg.block_size == 0)[None, :, None]
+    clean_prev = jnp.concatenate([last_h, h[:, t:2 * t - 1]], 1)
+    noisy_prev = jnp.concatenate([last_h, h[:, :t - 1]], 1)
+    return lm_head(params, cfg, jnp.where(first, clean_prev, noisy_prev))
+
+
+def long_loss(params, cfg, prefix, ppos, xt, x0, masked, w, tpos):
+    """(loss, accuracy) of the tail, as objective.loss_and_accuracy weighs them."""
+    import optax
+
+    logits = tail_logits(params, cfg, prefix, ppos, xt, x0, tpos)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, x0)
+    wm = w * masked
+    loss = (ce * wm).sum() / jnp.maximum(wm.sum(), 1.0)
+    acc = ((logits.argmax(-1) == x0) * masked).sum() / jnp.maximum(masked.sum(), 1)
+    return loss, acc
+
+
+def make_long_step(cfg, opt):
+    """A jitted step(params, opt_state, *make_long_batch(...)) -> (params, opt_state, loss, acc)."""
+    import optax
+
+    @jax.jit
+    def step(params, opt_state, prefix, ppos, xt, x0, masked, w, tpos):
+        (loss, acc), g = jax.value_and_grad(long_loss, has_aux=True)(params, cfg, prefix, ppos, xt, x0,
+                                                                     masked, w, tpos)
+        upd, opt_state = opt.update(g, opt_state, params)
+        return optax.apply_updates(params, upd), opt_state, loss, acc
+
+    return step

@@ -1,0 +1,114 @@
+"""Real long rows for the block-causal trainer (experiments/testbed/real_long.py, issue 53): the
+tail's logits over the prefix cache are the whole row's two-copy logits there; the rows put the
+prompt's end in the tail; the flag is checked; the step trains."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import experiments.train_testbed as tt
+from experiments.testbed import real_long as RL
+from experiments.testbed.data import make_batch
+from experiments.testbed.objective import make_optimizer, two_copy_logits
+from maskahead_jax import tasks as T
+from maskahead_jax.config import ModelConfig
+from maskahead_jax.model.init import init_params
+from maskahead_jax.model.rope import RopeScaling
+
+
+def tiny_cfg(**kw) -> ModelConfig:
+    base = dict(family="sdar", layout="qwen3", vocab_size=T.get_tokenizer().get_vocab_size(), hidden_size=32,
+                num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64, qk_norm=True,
+                tie_embeddings=True, attention="block_causal", logits_shift=True, mask_token_id=T.MASK_ID,
+                eos_token_ids=(T.EOS_ID,), pad_token_id=T.PAD_ID, block_size=32, commit_rule="dynamic",
+                threshold=0.95, max_position_embeddings=4096)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def _row(key, cfg, n, tail):
+    """A random row of n tokens: the clean x0, x_t with masks in the tail only, position ids."""
+    k1, k2 = jax.random.split(key)
+    x0 = jax.random.randint(k1, (1, n), 4, cfg.vocab_size, jnp.int32)
+    masked = (jax.random.uniform(k2, (1, n)) < 0.5) & (jnp.arange(n)[None] >= n - tail)
+    return x0, jnp.where(masked, cfg.mask_token_id, x0), masked
+
+
+@pytest.mark.parametrize("scaling,skip", [(None, False), ("dynamic_yarn", True)])
+@pytest.mark.parametrize("shift", [True, False])
+def test_tail_logits_equal_the_whole_rows_two_copy_logits_at_the_tail(scaling, skip, shift):
+    """The noisy tail reads the clean prefix and tail blocks before it, as the full two-copy layout
+    has it; under dynamic_yarn at skip-wise ids the prefix pass gets the whole row's factor."""
+    rs = RopeScaling("dynamic_yarn", factor=8.0, original_max_position_embeddings=64) if scaling else None
+    cfg = tiny_cfg(rope_scaling=rs, logits_shift=shift)
+    params = init_params(cfg, jax.random.PRNGKey(3), jnp.float32)
+    n, tail = 192, 64
+    x0, xt, _ = _row(jax.random.PRNGKey(4), cfg, n, tail)
+    pos = jnp.arange(n, dtype=jnp.int32)[None]
+    if skip:  # block-aligned chunks at skipped ids (data.pose_positions' layout), the row ends at 480
+        pos = jnp.concatenate([pos[:, :64], pos[:, 64:128] + 160, pos[:, 128:] + 288], 1)
+    full = two_copy_logits(params, cfg, xt, x0, chunk=64, pos=pos)[:, n - tail:]
+    p = n - tail
+    got = RL.tail_logits(params, cfg, x0[:, :p], pos[:, :p], xt[:, p:], x0[:, p:], pos[:, p:])
+    np.testing.assert_allclose(got, full, atol=2e-4, rtol=2e-4)
+
+
+def test_long_step_trains_the_tail_and_leaves_the_prefix_cache_without_gradient():
+    cfg = tiny_cfg()
+    params = init_params(cfg, jax.random.PRNGKey(5), jnp.float32)
+    n, tail = 128, 64
+    x0, xt, masked = _row(jax.random.PRNGKey(6), cfg, n, tail)
+    pos = jnp.arange(n, dtype=jnp.int32)[None]
+    w = jnp.ones((1, n), jnp.float32)
+    p = n - tail
+    args = (x0[:, :p], pos[:, :p], xt[:, p:], x0[:, p:], masked[:, p:], w[:, p:], pos[:, p:])
+    g = jax.grad(lambda q: RL.long_loss(q, cfg, *args)[0])(params)
+    assert all(np.isfinite(x).all() for x in jax.tree_util.tree_leaves(g))
+    assert float(jnp.abs(g["layers"]["wq"]).sum()) > 0
+    # the prefix pass alone takes no gradient: a loss on its cache is constant in the parameters
+    gc = jax.grad(lambda q: RL.prefix_cache(q, cfg, args[0], args[1], pos[:, -1:])[0].k.sum())(params)
+    assert all(float(jnp.abs(x).sum()) == 0 for x in jax.tree_util.tree_leaves(gc))
+    opt = make_optimizer(1e-3)
+    step = RL.make_long_step(cfg, opt)
+    st = opt.init(params)
+    losses = []
+    for _ in range(8):
+        params, st, loss, _ = step(params, st, *args)
+        losses.append(float(loss))
+    assert losses[-1] < losses[0]
+
+
+def test_long_rows_end_the_prompt_inside_the_tail():
+    """Task rows only; the first answer token (weight answer_weight) falls in the trained tail in
+    nearly every row, the prefix is clean and the tail carries the noise; skip-wise ids with the
+    pose flags."""
+    tok = T.build_tokenizer()
+    spec = RL.parse_real_long("2048:512:4")
+    args = tt.build_parser().parse_args(["--pose-target", "8192", "--pose-prob", "0.5", "--pose-min-len", "1024",
+                                         "--mqar-prob", "0.5", "--copy-prob", "0.5", "--max-positions", "8256"])
+    inside, skipped = 0, 0
+    for step in range(12):
+        prefix, ppos, xt, x0, masked, w, tpos = RL.make_long_batch(step, 7, tok, args, spec)
+        assert prefix.shape == ppos.shape == (1, 1536) and xt.shape == tpos.shape == w.shape == (1, 512)
+        assert prefix[0, 0] == T.BOS_ID and (prefix != T.MASK_ID).all()
+        assert np.all(np.diff(np.concatenate([ppos, tpos], 1)[0]) >= 1)
+        np.testing.assert_array_equal(np.where(masked, T.MASK_ID, x0), xt)
+        row_w = make_batch(step, 7, 1, 2048, tok, RL.row_args(args, spec))[3][0]  # the whole row's weights
+        np.testing.assert_array_equal(row_w[1536:], w[0])
+        ans = np.flatnonzero(row_w == args.answer_weight)
+        inside += bool(ans.size) and ans[0] >= 1536
+        skipped += int(tpos[0, -1]) > 2047
+    assert inside >= 10, inside
+    assert 2 <= skipped <= 11, skipped
+
+
+def test_real_long_flag_is_checked_and_scheduled():
+    assert RL.parse_real_long(None) == RL.RealLong() and not RL.RealLong().due(3)
+    spec = RL.parse_real_long("8192:512:4")
+    assert (spec.length, spec.tail, spec.every, spec.prefix) == (8192, 512, 4, 7680)
+    assert [s for s in range(12) if spec.due(s)] == [3, 7, 11]
+    for bad in ("8192:512", "8192:500:4", "8192:8192:4", "8192:512:0", "a:b:c"):
+        with pytest.raises(SystemExit, match="--real-long"):
+            RL.parse_real_long(bad)
+    with pytest.raises(SystemExit, match="--real-long"):
+        tt.check_data_flags(tt.build_parser().parse_args(["--real-long", "40000:512:4"]))
