@@ -22,6 +22,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from maskahead_jax.kernels.reference import chunking
 from maskahead_jax.model.decoder import Context, Segment, full_mask, lm_head, model_step
@@ -122,8 +123,6 @@ def tail_logits(params, cfg, prefix, ppos, xt, x0, tpos):
 
 def long_loss(params, cfg, prefix, ppos, xt, x0, masked, w, tpos):
     """(loss, accuracy) of the tail, as objective.loss_and_accuracy weighs them."""
-    import optax
-
     logits = tail_logits(params, cfg, prefix, ppos, xt, x0, tpos)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, x0)
     wm = w * masked
@@ -134,8 +133,6 @@ def long_loss(params, cfg, prefix, ppos, xt, x0, masked, w, tpos):
 
 def make_long_step(cfg, opt):
     """A jitted step(params, opt_state, *make_long_batch(...)) -> (params, opt_state, loss, acc)."""
-    import optax
-
     @jax.jit
     def step(params, opt_state, prefix, ppos, xt, x0, masked, w, tpos):
         (loss, acc), g = jax.value_and_grad(long_loss, has_aux=True)(params, cfg, prefix, ppos, xt, x0,
