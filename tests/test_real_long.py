@@ -14,16 +14,12 @@ from maskahead_jax import tasks as T
 from maskahead_jax.config import ModelConfig
 from maskahead_jax.model.init import init_params
 from maskahead_jax.model.rope import RopeScaling
+from tiny import tiny_testbed_cfg
 
 
 def tiny_cfg(**kw) -> ModelConfig:
-    base = dict(family="sdar", layout="qwen3", vocab_size=T.get_tokenizer().get_vocab_size(), hidden_size=32,
-                num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64, qk_norm=True,
-                tie_embeddings=True, attention="block_causal", logits_shift=True, mask_token_id=T.MASK_ID,
-                eos_token_ids=(T.EOS_ID,), pad_token_id=T.PAD_ID, block_size=32, commit_rule="dynamic",
-                threshold=0.95, max_position_embeddings=4096)
-    base.update(kw)
-    return ModelConfig(**base)
+    """The block-causal testbed layout (SDAR), tiny."""
+    return tiny_testbed_cfg(**{"family": "sdar", "attention": "block_causal", **kw})
 
 
 def _row(key, cfg, n, tail):

@@ -15,6 +15,7 @@ from maskahead_jax.config import GenerationConfig, ModelConfig
 from maskahead_jax.engine.generate import generate
 from maskahead_jax.model import forward_logits
 from maskahead_jax.model.init import init_params
+from tiny import tiny_testbed_cfg
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TWIN = os.path.join(ROOT, "maskahead_jax", "testbed_bidir")
@@ -48,13 +49,7 @@ def test_shipped_twin_answers_a_passkey_with_the_dense_cache():
 
 # ----------------------------------------------------------------------------- objective
 def tiny_cfg(**kw) -> ModelConfig:
-    base = dict(family="dream", layout="qwen3", vocab_size=T.get_tokenizer().get_vocab_size(), hidden_size=32,
-                num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64, qk_norm=True,
-                tie_embeddings=True, attention="bidirectional", logits_shift=True, mask_token_id=T.MASK_ID,
-                eos_token_ids=(T.EOS_ID,), pad_token_id=T.PAD_ID, block_size=32, commit_rule="dynamic",
-                threshold=0.95, max_position_embeddings=4096)
-    base.update(kw)
-    return ModelConfig(**base)
+    return tiny_testbed_cfg(**kw)
 
 
 def test_noise_semi_ar_rows_are_clean_before_masked_after_and_mask_the_current_block():

@@ -42,3 +42,17 @@ def tiny_model(family: str, seed: int = 0, scale: float = 0.3, **over) -> Model:
     kw.update(over)
     cfg = ModelConfig(**kw)
     return Model(cfg, init_params(cfg, jax.random.PRNGKey(seed), scale=scale))
+
+
+def tiny_testbed_cfg(**over) -> ModelConfig:
+    """A tiny model in the testbed's vocabulary and block (32), for its trainers' objectives:
+    the bidirectional twin's layout by default; `over` replaces any field."""
+    from maskahead_jax import tasks as T
+
+    base = dict(family="dream", layout="qwen3", vocab_size=T.get_tokenizer().get_vocab_size(), hidden_size=32,
+                num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64, qk_norm=True,
+                tie_embeddings=True, attention="bidirectional", logits_shift=True, mask_token_id=T.MASK_ID,
+                eos_token_ids=(T.EOS_ID,), pad_token_id=T.PAD_ID, block_size=32, commit_rule="dynamic",
+                threshold=0.95, max_position_embeddings=4096)
+    base.update(over)
+    return ModelConfig(**base)
