@@ -86,7 +86,7 @@ from experiments.testbed.heldout import heldout_eval
 from experiments.testbed.objective import (make_optimizer, make_train_step, two_copy_logits,  # noqa: F401
                                            two_copy_mask)
 from experiments.testbed.prefetch import BatchPrefetcher
-from experiments.testbed.real_long import make_long_batch, make_long_step, parse_real_long
+from experiments.testbed.real_long import make_long_batch, make_long_step, parse_real_long, row_args
 from experiments.testbed.state import has_state, load_state, save_state
 from experiments.testbed.surgery import (grow_heads, grow_layers, load_init,  # noqa: F401
                                          loaded_logits_shift, parse_grow_after)
@@ -227,6 +227,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "row, its first L - TAIL tokens a cache from a forward without gradient, its last "
                          "TAIL tokens (the prompt's end, the answer) trained in the two-copy layout on "
                          "top (testbed/real_long.py; stage 37). Default: off")
+    ap.add_argument("--real-long-task-weights", default=None,
+                    help="--real-long: the long rows' own --task-weights (default: --task-weights)")
+    ap.add_argument("--real-long-edge-depths", default=None,
+                    help="--real-long: the long rows' own --edge-depths (default: --edge-depths)")
     ap.add_argument("--eval-lengths", default=None,
                     help="lengths of the periodic held-out probe (e.g. 512,4096,8192; default: the "
                          "stage's length capped at 512)")
@@ -252,6 +256,8 @@ def check_data_flags(args) -> None:
     if getattr(args, "log_every", 1) < 1:
         raise SystemExit(f"bad --log-every {args.log_every}: need a step count >= 1")
     real = parse_real_long(getattr(args, "real_long", None))
+    if real.length:
+        data_options(row_args(args, real))  # the long rows' own mix parses too
     maxpos = getattr(args, "max_positions", None) or MAX_POSITIONS
     if real.length > maxpos:
         raise SystemExit(f"bad --real-long {args.real_long}: its rows ({real.length}) pass --max-positions {maxpos}")
