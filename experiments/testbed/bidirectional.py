@@ -53,6 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from experiments.testbed.objective import jitted_step
 from experiments.train_testbed import hf_config, load_init
 from maskahead_jax import tasks as T
 from maskahead_jax.config import ModelConfig
@@ -299,12 +300,8 @@ def make_optimizer(lr: float, warmup: int, total: int, final_frac: float = 0.2):
 
 
 def make_train_step(cfg: ModelConfig, opt, cache_grad: bool = False):
-    @jax.jit
-    def step(params, opt_state, batch):
-        (loss, acc), g = jax.value_and_grad(twin_loss, has_aux=True)(params, cfg, batch, cache_grad)
-        upd, opt_state = opt.update(g, opt_state, params)
-        return optax.apply_updates(params, upd), opt_state, loss, acc
-    return step
+    """A jitted step(params, opt_state, batch) -> (params, opt_state, loss, acc)."""
+    return jitted_step(lambda params, batch: twin_loss(params, cfg, batch, cache_grad), opt)
 
 
 # ----------------------------------------------------------------------------- checkpoints

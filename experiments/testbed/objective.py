@@ -61,13 +61,33 @@ def loss_and_accuracy(params, cfg, xt, x0, masked, w, pos=None):
     normalised by the weights' sum; the argmax accuracy over the masked positions. pos [B, L]:
     position ids of both copies (None: arange)."""
     logits = two_copy_logits(params, cfg, xt, x0, pos=pos)
+    return masked_loss(logits, x0, masked, w, skip_first=cfg.logits_shift)
+
+
+def masked_loss(logits, x0, masked, w, skip_first: bool = False):
+    """(loss, accuracy) of logits [B, L, V] against x0 [B, L]: cross entropy on the masked
+    positions weighted by w, normalised by the weights' sum (skip_first: position 0 has no
+    predictor and is left out); the argmax accuracy over the masked positions."""
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, x0)
     wm = w * masked
-    if cfg.logits_shift:
+    if skip_first:
         wm = wm.at[:, 0].set(0.0)
     loss = (ce * wm).sum() / jnp.maximum(wm.sum(), 1.0)
     acc = ((logits.argmax(-1) == x0) * masked).sum() / jnp.maximum(masked.sum(), 1)
     return loss, acc
+
+
+def jitted_step(loss_fn, opt):
+    """step(params, opt_state, *batch) -> (params, opt_state, loss, acc), jitted, for
+    loss_fn(params, *batch) -> (loss, acc)."""
+
+    @jax.jit
+    def step(params, opt_state, *batch):
+        (loss, acc), g = jax.value_and_grad(loss_fn, has_aux=True)(params, *batch)
+        upd, opt_state = opt.update(g, opt_state, params)
+        return optax.apply_updates(params, upd), opt_state, loss, acc
+
+    return step
 
 
 def make_train_step(cfg, opt, L=None):
@@ -75,14 +95,7 @@ def make_train_step(cfg, opt, L=None):
     (one compile per batch shape and per pos given or not; `L` is kept for the callers that name
     it). `step(params, opt_state, *make_batch(...))` takes either batch form."""
 
-    def loss_fn(params, xt, x0, masked, w, pos):
+    def loss_fn(params, xt, x0, masked, w, pos=None):
         return loss_and_accuracy(params, cfg, xt, x0, masked, w, pos)
 
-    @jax.jit
-    def step(params, opt_state, xt, x0, masked, w, pos=None):
-        (loss, acc), g = jax.value_and_grad(loss_fn, has_aux=True)(params, xt, x0, masked, w, pos)
-        upd, opt_state = opt.update(g, opt_state, params)
-        return optax.apply_updates(params, upd), opt_state, loss, acc
-
-    return step
-
+    return jitted_step(loss_fn, opt)

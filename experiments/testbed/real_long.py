@@ -22,13 +22,13 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from maskahead_jax.kernels.reference import chunking
 from maskahead_jax.model.decoder import Context, Segment, full_mask, lm_head, model_step
 from maskahead_jax.model.two_copy import two_copy_mask
 
 from .data import BLOCK, make_batch
+from .objective import jitted_step, masked_loss
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,22 +128,11 @@ def tail_logits(params, cfg, prefix, ppos, xt, x0, tpos):
 
 
 def long_loss(params, cfg, prefix, ppos, xt, x0, masked, w, tpos):
-    """(loss, accuracy) of the tail, as objective.loss_and_accuracy weighs them."""
-    logits = tail_logits(params, cfg, prefix, ppos, xt, x0, tpos)
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, x0)
-    wm = w * masked
-    loss = (ce * wm).sum() / jnp.maximum(wm.sum(), 1.0)
-    acc = ((logits.argmax(-1) == x0) * masked).sum() / jnp.maximum(masked.sum(), 1)
-    return loss, acc
+    """(loss, accuracy) of the tail, as objective.loss_and_accuracy weighs them (the tail's first
+    position has a predictor: the prefix's last)."""
+    return masked_loss(tail_logits(params, cfg, prefix, ppos, xt, x0, tpos), x0, masked, w)
 
 
 def make_long_step(cfg, opt):
     """A jitted step(params, opt_state, *make_long_batch(...)) -> (params, opt_state, loss, acc)."""
-    @jax.jit
-    def step(params, opt_state, prefix, ppos, xt, x0, masked, w, tpos):
-        (loss, acc), g = jax.value_and_grad(long_loss, has_aux=True)(params, cfg, prefix, ppos, xt, x0,
-                                                                     masked, w, tpos)
-        upd, opt_state = opt.update(g, opt_state, params)
-        return optax.apply_updates(params, upd), opt_state, loss, acc
-
-    return step
+    return jitted_step(lambda params, *batch: long_loss(params, cfg, *batch), opt)
