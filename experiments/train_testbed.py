@@ -231,6 +231,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="--real-long: the long rows' own --task-weights (default: --task-weights)")
     ap.add_argument("--real-long-edge-depths", default=None,
                     help="--real-long: the long rows' own --edge-depths (default: --edge-depths)")
+    ap.add_argument("--real-long-most-distractors", default=None,
+                    help="--real-long: the share of long multi-key / two-hop / document-QA rows holding "
+                         "the most keys / decoys / documents their length allows, as the evaluation at "
+                         "that length does (default 0: a uniform count; stage 39)")
     ap.add_argument("--eval-lengths", default=None,
                     help="lengths of the periodic held-out probe (e.g. 512,4096,8192; default: the "
                          "stage's length capped at 512)")

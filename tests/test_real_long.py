@@ -131,3 +131,33 @@ def test_long_rows_take_their_own_task_mix():
         assert "special magic number" in text and "pass key" not in text
     with pytest.raises(SystemExit, match="task-weights"):
         tt.check_data_flags(tt.build_parser().parse_args(base + ["--real-long-task-weights", "1,2"]))
+
+
+def test_long_rows_can_hold_the_most_distractors(monkeypatch):
+    """--real-long-most-distractors 1: every long multi-key / document-QA row holds the most keys /
+    documents its length allows (the evaluation's 64 / 24 at 8192), not a uniform count; the short
+    rows keep the uniform draw; a malformed share fails at startup."""
+    from experiments.testbed.data import train_sequence, data_options
+    import random
+
+    seen = []
+    real_generate = T.generate
+    monkeypatch.setattr(T, "generate", lambda task, *a, **kw: seen.append((task, kw)) or real_generate(task, *a, **kw))
+    spec = RL.parse_real_long("8192:512:3")
+    base = ["--real-long", "8192:512:3", "--real-long-task-weights", "0,0.5,0,0.5,0"]
+    args = tt.build_parser().parse_args(base + ["--real-long-most-distractors", "1"])
+    tt.check_data_flags(args)
+    tok = T.build_tokenizer()
+    for step in range(6):
+        RL.make_long_batch(step, 5, tok, args, spec)
+    assert {t for t, _ in seen} == {"multikey", "docqa"}
+    assert all(kw.get("n_keys", 64) == 64 and kw.get("n_docs", 24) == 24 for _, kw in seen)
+    seen.clear()
+    opts = data_options(RL.row_args(tt.build_parser().parse_args(base), spec))
+    assert opts["most_distractors"] == 0.0
+    r = random.Random(0)
+    for _ in range(12):  # without it the counts are drawn (some below the top)
+        train_sequence(r, 8192, tok, 3.0, **opts)
+    assert any(kw.get("n_keys", 64) < 64 or kw.get("n_docs", 24) < 24 for _, kw in seen)
+    with pytest.raises(SystemExit, match="most-distractors"):
+        tt.check_data_flags(tt.build_parser().parse_args(base + ["--real-long-most-distractors", "2"]))

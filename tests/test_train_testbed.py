@@ -818,12 +818,13 @@ def test_long_cpu_script_command_parses(tmp_path):
     s32.mkdir()
     (s32 / "params.npz").write_bytes(b"")  # stage 33 copies stage 32's state on its first start
     parsed = {}
-    for stage in ("32", "33", "34", "35", "36", "37", "38"):
+    for stage in ("32", "33", "34", "35", "36", "37", "38", "39"):
         env = dict(os.environ, DRY_RUN="1", STAGE=stage, TB_LONG_DIR=str(tmp_path / f"tb{stage}"),
                    STAGE32_STATE=str(s32), STAGE34_STATE=str(tmp_path / "none"),
                    STAGE35_STATE=str(tmp_path / "none"), STAGE36_STATE=str(tmp_path / "none"),
                    STAGE36_CARRIED=str(tmp_path / "none"), STAGE37_STATE=str(tmp_path / "none"),
-                   STAGE37_CARRIED=str(tmp_path / "none"), CARRIED=str(tmp_path / "no_carry"))
+                   STAGE37_CARRIED=str(tmp_path / "none"), STAGE38_STATE=str(tmp_path / "none"),
+                   STAGE38_CARRIED=str(tmp_path / "none"), CARRIED=str(tmp_path / "no_carry"))
         out = subprocess.run(["bash", script], env=env, capture_output=True, text=True, check=True).stdout
         argv = out.splitlines()
         assert argv[:3] == ["nice", "-n", "19"] and argv[4] == "experiments/train_testbed.py"
@@ -837,7 +838,7 @@ def test_long_cpu_script_command_parses(tmp_path):
             assert (cfg.rope_scaling.type, cfg.rope_scaling.factor) == ("yarn", 16.0)
             assert "longanswer" in tt.eval_plan(args)[1]
             assert (tmp_path / "tb33" / "state" / "params.npz").exists()
-        elif stage in ("34", "35", "36", "37", "38"):  # Dynamic-YaRN x16 over 2048, positions to 33280
+        elif stage in ("34", "35", "36", "37", "38", "39"):  # Dynamic-YaRN x16 over 2048, positions to 33280
             s = cfg.rope_scaling
             assert (s.type, s.factor, s.original_max_position_embeddings) == ("dynamic_yarn", 16.0, 2048)
             assert cfg.max_position_embeddings == 33280 and "longanswer" in tt.eval_plan(args)[1]
@@ -850,9 +851,10 @@ def test_long_cpu_script_command_parses(tmp_path):
             ("34", "35", {"pose_tail_blocks", "eval_minutes", "export_minutes"}, "stage34_step234"),
             ("35", "36", {"hard_keys"}, "stage35_step790"),
             ("36", "37", {"real_long"}, "stage35_step790"),
-            ("37", "38", {"real_long_task_weights", "real_long_edge_depths"}, "stage35_step790")):
+            ("37", "38", {"real_long_task_weights", "real_long_edge_depths"}, "stage35_step790"),
+            ("38", "39", {"real_long_task_weights", "real_long_most_distractors"}, "stage35_step790")):
         a, b = vars(parsed[prev]), vars(parsed[stage])
-        same_fallback = {"init_from"} if prev in ("36", "37") else set()  # 36-38 all fall back to stage 35's
+        same_fallback = {"init_from"} if prev in ("36", "37", "38") else set()  # 36-39 all fall back to stage 35's
         assert {k for k in a if a[k] != b[k]} == (where - same_fallback) | flags
         # no previous state here: the previous stage's committed export
         assert b["init_from"] == f"experiments/testbed/exports/{fallback}"

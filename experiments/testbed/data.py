@@ -110,7 +110,8 @@ PACKED_WEIGHTS = (0.45, 0.2, 0.2, 0.15)  # their weights, in PACKED_TASKS' order
 def train_sequence(r: random.Random, L: int, tok, answer_weight: float, dense: float = 0.0,
                    copy: float = 0.0, task_weights=TASK_WEIGHTS, packed_weights=PACKED_WEIGHTS,
                    mqar: float = 0.0, mqar_pairs=None, mqar_templates=("list",),
-                   prompt_frac=PROMPT_FRAC, edge_depths: float = 0.0, hard_keys: float = 0.0):
+                   prompt_frac=PROMPT_FRAC, edge_depths: float = 0.0, hard_keys: float = 0.0,
+                   most_distractors: float = 0.0):
     """One clean training sequence of exactly L tokens and its per-token loss weights.
 
     An unpacked needle context takes a fraction U(prompt_frac) of L (the rest: extra questions);
@@ -118,7 +119,10 @@ def train_sequence(r: random.Random, L: int, tok, answer_weight: float, dense: f
     up to prompt_frac[1] * L only. The needle's depth is U(0, 1), or with probability
     `edge_depths` one of the two ends (0: right after [BOS]; 1: right before the question).
     With probability `hard_keys` a multi-key context holds 1-4 distractor keys that share one
-    word with the asked key (make_multikey's n_sharing).
+    word with the asked key (make_multikey's n_sharing). With probability `most_distractors` a
+    multi-key / two-hop / document-QA context holds the most distractors its length allows (the
+    top of the uniform range: at 8192, the 64 keys and 24 documents the evaluation holds) instead
+    of a uniform count.
 
     With probability `dense` the context is packed with facts (many keys, little filler) and
     followed by many questions: MQAR-style data where recall is the main source of
@@ -137,6 +141,7 @@ def train_sequence(r: random.Random, L: int, tok, answer_weight: float, dense: f
     depth = r.random()
     if edge_depths and r.random() < edge_depths:  # (no extra draw at 0: old recipes reproduce)
         depth = float(depth < 0.5)
+    most = bool(most_distractors) and not packed and r.random() < most_distractors  # (no draw at 0)
     seed = r.randrange(10 ** 7, 2 ** 31)
     if task == "longanswer":
         nf = max(3, min(44, int(L * (0.35 if packed else 0.5)) // 6))
@@ -149,13 +154,16 @@ def train_sequence(r: random.Random, L: int, tok, answer_weight: float, dense: f
         if task == "passkey":
             kw["n_digits"] = 3
         elif task == "multikey":
-            kw["n_keys"] = max(2, n // 15) if packed else r.randint(2, max(2, min(64, n // 24)))
+            top = max(2, min(64, n // 24))
+            kw["n_keys"] = max(2, n // 15) if packed else top if most else r.randint(2, top)
             if hard_keys and r.random() < hard_keys:  # (no extra draw at 0: old recipes reproduce)
                 kw["n_sharing"] = r.randint(1, min(4, kw["n_keys"] - 1))
         elif task == "twohop":
-            kw["n_decoys"] = max(1, n // 22 - 1) if packed else r.randint(0, max(0, min(8, n // 40 - 1)))
+            top = max(0, min(8, n // 40 - 1))
+            kw["n_decoys"] = max(1, n // 22 - 1) if packed else top if most else r.randint(0, top)
         elif task == "docqa":
-            kw["n_docs"] = max(1, n // 45) if packed else r.randint(1, max(1, min(24, n // 60)))
+            top = max(1, min(24, n // 60))
+            kw["n_docs"] = max(1, n // 45) if packed else top if most else r.randint(1, top)
         ex = T.generate(task, n, depth, seed, tok, **kw)
         queries = list(ex.meta.get("queries", []))
     ids = [T.BOS_ID] + _ids(tok, ex.prompt)
@@ -252,7 +260,8 @@ def data_options(args) -> dict:
                 mqar=g("mqar_prob") or 0.0, mqar_pairs=parse_pairs(g("mqar_pairs")),
                 mqar_templates=parse_templates(g("mqar_templates")),
                 prompt_frac=parse_prompt_frac(g("prompt_frac")), edge_depths=parse_probability(g("edge_depths"), "--edge-depths"),
-                hard_keys=parse_probability(g("hard_keys"), "--hard-keys"))
+                hard_keys=parse_probability(g("hard_keys"), "--hard-keys"),
+                most_distractors=parse_probability(g("most_distractors"), "--real-long-most-distractors"))
 
 
 def longest_run(flags: np.ndarray) -> np.ndarray:

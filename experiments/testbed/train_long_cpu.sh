@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
-# Stages 32-38 (issue 53): long positions from short windows on the CPU, in the background.
+# Stages 32-39 (issue 53): long positions from short windows on the CPU, in the background.
 # Starts the run, or resumes it where its last checkpoint left it (the same command every time;
 # a session's end kills the process, the next session runs this again). Niced (19), so it takes
-# only the CPU time nobody else wants. docs/testbed_history.md, "Stage 32" ... "Stage 38",
+# only the CPU time nobody else wants. docs/testbed_history.md, "Stage 32" ... "Stage 39",
 # says what and why.
 #
-#   bash experiments/testbed/train_long_cpu.sh          # stage 38 (the running one): start / resume
+#   bash experiments/testbed/train_long_cpu.sh          # stage 39 (the running one): start / resume
+#   STAGE=38 bash experiments/testbed/train_long_cpu.sh # stage 38 (stage 37, long rows weighted to multi-key)
 #   STAGE=37 bash experiments/testbed/train_long_cpu.sh # stage 37 (stage 36 plus real long rows)
 #   STAGE=36 bash experiments/testbed/train_long_cpu.sh # stage 36 (stage 35 plus hard keys)
 #   STAGE=35 bash experiments/testbed/train_long_cpu.sh # stage 35 (stage 34 plus the answer's tail)
 #   STAGE=34 bash experiments/testbed/train_long_cpu.sh # stage 34 (stage 29 under Dynamic-YaRN)
 #   STAGE=33 bash experiments/testbed/train_long_cpu.sh # stage 33 (stage 32 under static YaRN x16)
 #   STAGE=32 bash experiments/testbed/train_long_cpu.sh # stage 32 as it ran (PoSE, plain RoPE)
-#   tail -f ~/.cache/maskahead-jax/tb-dyn38/log.txt     # progress, [eval] lines
+#   tail -f ~/.cache/maskahead-jax/tb-dyn39/log.txt     # progress, [eval] lines
 #   CARRY=1 bash experiments/testbed/train_long_cpu.sh  # before a session stops: the last saved state,
-#                                                       # slim, into experiments/testbed/carry/stage38 (commit it)
+#                                                       # slim, into experiments/testbed/carry/stage39 (commit it)
 #
 # Stage 33 is stage 32's flags plus YaRN (x16 over 2048 positions: the frequencies and attention
 # temperature the export then carries in its config.json) and the long answer in the probe; its
@@ -45,9 +46,15 @@
 # rows' own mix: multi-key 0.55 of them, the needle at an end 0.6 (--real-long-task-weights,
 # --real-long-edge-depths): stage 37's long rows fixed the long answer at 8192 (~18 such rows),
 # while its multi-key misses at depth 1 (one-word-overlap keys) had ~4 rows.
+# Stage 39 is stage 38 continued (from tb-dyn38/state, or stage 38's carried state) with half the
+# long multi-key / document-QA rows holding the most keys / documents their length allows (64 / 24
+# at 8192, what the evaluation there holds; --real-long-most-distractors 0.5) and document QA 0.3 of
+# the long rows: stage 38's misses at 8192 (multi-key depth 1, document QA depth 0) both answer for
+# a key / building sharing one word with the asked one, among the evaluation's 64 keys / 24 documents,
+# while a long row drew a uniform count (about half as many on average).
 #
 # State (never in the work tree): $TB_LONG_DIR (default ~/.cache/maskahead-jax/ + tb-long for
-# stage 32, tb-yarn for 33, tb-dyn for 34, tb-dyn35 ... tb-dyn38 for 35 ... 38):
+# stage 32, tb-yarn for 33, tb-dyn for 34, tb-dyn35 ... tb-dyn39 for 35 ... 39):
 #   run/ckpt/          orbax checkpoints (every 10 training minutes; the two newest kept)
 #   run/metrics.jsonl  loss every 5 steps, held-out evals ({"eval": ..., "eval_L": 512|4096|8192})
 #   state/             the portable state (params.npz, opt.npz, metrics.jsonl) at every checkpoint
@@ -57,7 +64,7 @@
 # command (one argument per line) and starts nothing (stages 33, 35 and 36 still copy their start state).
 set -eu
 cd "$(dirname "$0")/../.."
-STAGE=${STAGE:-38}
+STAGE=${STAGE:-39}
 # start_from STATE [EXPORT]: a stage's first start copies the previous stage's portable state into
 # $D/state. On a new machine (nothing outside the work tree survives) it resumes this stage's
 # carried state, experiments/testbed/carry/stage$STAGE (`CARRY=1 bash ...` writes it from $D/state
@@ -84,7 +91,7 @@ case "$STAGE" in
   33) D=${TB_LONG_DIR:-$HOME/.cache/maskahead-jax/tb-yarn}
       EXTRA=(--rope-scaling yarn:16:2048 --eval-tasks passkey,multikey,longanswer --minutes 1200)
       start_from "${STAGE32_STATE:-$HOME/.cache/maskahead-jax/tb-long/state}" ;;
-  34|35|36|37|38) DYN=(--rope-scaling dynamic_yarn:16:2048 --seed 34 --lr 5e-5 --edge-depths 0.3
+  34|35|36|37|38|39) DYN=(--rope-scaling dynamic_yarn:16:2048 --seed 34 --lr 5e-5 --edge-depths 0.3
              --stages '0:512|2560|1024|2560|4096:8|2|4|2|1:0.3'
              --eval-tasks passkey,multikey,longanswer --minutes 1200) ;;&
   34) D=${TB_LONG_DIR:-$HOME/.cache/maskahead-jax/tb-dyn}  # from stage 29's export itself, no copied state
@@ -107,7 +114,14 @@ case "$STAGE" in
       PREV=${STAGE37_STATE:-$HOME/.cache/maskahead-jax/tb-dyn37/state}
       [ -f "$PREV/params.npz" ] || PREV=${STAGE37_CARRIED:-experiments/testbed/carry/stage37}
       start_from "$PREV" experiments/testbed/exports/stage35_step790 ;;
-  *) echo "STAGE must be one of 32-38, got $STAGE"; exit 1 ;;
+  39) D=${TB_LONG_DIR:-$HOME/.cache/maskahead-jax/tb-dyn39}
+      EXTRA=("${DYN[@]}" --pose-tail-blocks 24 --hard-keys 0.5 --eval-minutes 90 --export-minutes 45
+             --real-long 8192:512:3 --real-long-task-weights 0.05,0.45,0.05,0.3,0.15 --real-long-edge-depths 0.6
+             --real-long-most-distractors 0.5)
+      PREV=${STAGE38_STATE:-$HOME/.cache/maskahead-jax/tb-dyn38/state}
+      [ -f "$PREV/params.npz" ] || PREV=${STAGE38_CARRIED:-experiments/testbed/carry/stage38}
+      start_from "$PREV" experiments/testbed/exports/stage35_step790 ;;
+  *) echo "STAGE must be one of 32-39, got $STAGE"; exit 1 ;;
 esac
 CMD=(nice -n 19 "$PY" experiments/train_testbed.py
   --init-from maskahead_jax/testbed --logits-shift --seed 53 --layers 6 --heads 8 --kv-heads 4 --head-dim 32
