@@ -157,7 +157,8 @@ def test_generate_with_kernels_matches_reference(policy, monkeypatch):
     pol = None if policy == "dense" else make(
         "maskahead-qa", capacity_pct=50, capacity_floor=8, topk_floor=4, recent=4, sinks=1,
         question_tokens=8, question_pool="mean+max", interval_blocks=1, lookahead_blocks=2)
-    base = dict(max_new_tokens=16, prefill_chunk=16, stop_at_eos=False)
+    # 4 denoising steps per 8-token block (not 8): the same paths, half the interpret-mode calls
+    base = dict(max_new_tokens=16, prefill_chunk=16, stop_at_eos=False, steps_per_block=4)
     got, want = _kernels_and_reference(model, prompts, base, pol)
     assert got.stats["nfe"] == want.stats["nfe"]
     assert traced and {i for i, _, _ in traced} == {"pallas_tpu"}  # the kernel path was traced
@@ -182,7 +183,7 @@ def test_generate_q_maskahead_with_packed_kernels_matches_reference():
     model = tiny_model("sdar", scale=0.5, head_dim=32, block_size=32, max_position_embeddings=4093)
     prompts = [list(range(1, 40)) * 2, list(range(3, 40))]
     pol = make("q-maskahead", capacity_pct=50, capacity_floor=32, topk_floor=8, recent=8, sinks=1)
-    base = dict(max_new_tokens=32, prefill_chunk=32, stop_at_eos=False)
+    base = dict(max_new_tokens=32, prefill_chunk=32, stop_at_eos=False, steps_per_block=8)  # 8 steps, not 32
     got, want = _kernels_and_reference(model, prompts, base, pol)
     assert got.stats["kv_bytes_final"] == want.stats["kv_bytes_final"]
     assert got.stats["evictions"] == want.stats["evictions"] > 0
@@ -195,7 +196,7 @@ def test_generate_bidirectional_with_kernels_matches_reference(policy):
     model = tiny_model("dream", scale=0.5, max_position_embeddings=4090 + len(policy))
     prompts = [list(range(1, 30)), list(range(3, 20))]
     pol = None if policy == "dense" else make("maskkv", kv_entries=8)
-    base = dict(max_new_tokens=16, block_size=8, stop_at_eos=False)
+    base = dict(max_new_tokens=16, block_size=8, steps_per_block=4, stop_at_eos=False)
     _kernels_and_reference(model, prompts, base, pol)
 
 

@@ -475,7 +475,8 @@ def _value_ranking_keeps(rec) -> dict:
 def test_every_eviction_pins_the_question_and_keeps_the_value_ranking():
     m = tiny_model("sdar", num_layers=3)
     prompts = _prompts()
-    gc = GenerationConfig(max_new_tokens=48, prefill_chunk=32, stop_at_eos=False)
+    # 4 denoising steps per 8-token block: the eager run's cost is its steps; the evictions are per block
+    gc = GenerationConfig(max_new_tokens=48, prefill_chunk=32, steps_per_block=4, stop_at_eos=False)
     calls = []
 
     @dataclasses.dataclass(frozen=True)

@@ -239,7 +239,7 @@ def test_question_probe_on_the_released_schedule():
     probes and pins the question span; bad settings are clear errors."""
     m = tiny_model("sdar", num_layers=3)
     prompts = _prompts((150, 97), seed=3)
-    gc = GenerationConfig(max_new_tokens=40, prefill_chunk=32, stop_at_eos=False)
+    gc = GenerationConfig(max_new_tokens=40, prefill_chunk=32, steps_per_block=4, stop_at_eos=False)
     dense = generate(m, prompts, gc)
     full = MaskAhead(**FULL, question_tokens=16, pin_question=True)
     assert generate(m, prompts, gc, policy=full).tokens == dense.tokens

@@ -28,8 +28,9 @@ from maskahead_jax.policies.scorers import max_pool_1d
 from tiny import MASK, tiny_model
 
 BS = 8
-GC_BC = GenerationConfig(max_new_tokens=16, stop_at_eos=False)
-GC_BI = GenerationConfig(max_new_tokens=16, stop_at_eos=False, prompt_refresh=0)
+# 4 steps per 8-token block: the eager runs cost their steps; the votes are over the prompt
+GC_BC = GenerationConfig(max_new_tokens=16, steps_per_block=4, stop_at_eos=False)
+GC_BI = GenerationConfig(max_new_tokens=16, steps_per_block=4, stop_at_eos=False, prompt_refresh=0)
 SEEN: list = []  # (cache before, cache after, plen) recorded by the policies below
 
 

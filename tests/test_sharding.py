@@ -298,7 +298,7 @@ def test_mp_generate_with_kernels_under_a_mesh_matches_unsharded(mesh, policies)
     for pol in policies.split(","):
         q = pol == "q-maskahead"
         recs = _run("parity.py", "--mesh", mesh, "--families", "sdar", "--policies", pol,
-                    "--attention", "pallas_triton", "--new", "64" if q else "16",
+                    "--attention", "pallas_triton", "--new", "64" if q else "16", "--steps", "8" if q else "4",
                     "--lens", "150,90,120,60" if q else ("300,190" if "seq" in mesh else "70,45,33,20"),
                     "--chunk", "64")
         ran, _ = _check_parity(recs)

@@ -48,6 +48,7 @@ def main():
     ap.add_argument("--lens", default="70,45,33,20")
     ap.add_argument("--new", type=int, default=24)
     ap.add_argument("--chunk", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=None, help="steps_per_block (default: the block size)")
     ap.add_argument("--kv-bytes", action="store_true", help="also report per-device KV bytes")
     ap.add_argument("--attention", default="reference",
                     help="GenerationConfig.attention; a kernel backend runs in interpret mode")
@@ -67,7 +68,7 @@ def main():
             q = is_quantized(pname)
             m = tiny_model(fam, num_heads=8, num_kv_heads=4, **(Q_MODEL if q else {}))
             gc = GenerationConfig(max_new_tokens=a.new, prefill_chunk=max(a.chunk, 64) if q else a.chunk,
-                                  stop_at_eos=False, attention=a.attention,
+                                  steps_per_block=a.steps, stop_at_eos=False, attention=a.attention,
                                   attention_interpret=a.attention not in ("reference", "auto"))
             pol, why = make_policy(pname)
             rec = dict(family=fam, policy=pname, mesh=a.mesh, devices=jax.device_count(), attention=a.attention)
