@@ -235,6 +235,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="--real-long: the share of long multi-key / two-hop / document-QA rows holding "
                          "the most keys / decoys / documents their length allows, as the evaluation at "
                          "that length does (default 0: a uniform count; stage 39)")
+    ap.add_argument("--real-long-prefix-kv-grad", action="store_true",
+                    help="--real-long: the prefix's keys / values take gradient through their own layer's "
+                         "norm and K / V projections, each layer's input held constant (far keys a "
+                         "question wrongly matches learn to score lower; stage 40). Default: off, the "
+                         "prefix cache is constant")
     ap.add_argument("--eval-lengths", default=None,
                     help="lengths of the periodic held-out probe (e.g. 512,4096,8192; default: the "
                          "stage's length capped at 512)")
@@ -262,6 +267,8 @@ def check_data_flags(args) -> None:
     real = parse_real_long(getattr(args, "real_long", None))
     if real.length:
         data_options(row_args(args, real))  # the long rows' own mix parses too
+    elif getattr(args, "real_long_prefix_kv_grad", False):
+        raise SystemExit("--real-long-prefix-kv-grad trains the prefix of --real-long rows; pass --real-long too")
     maxpos = getattr(args, "max_positions", None) or MAX_POSITIONS
     if real.length > maxpos:
         raise SystemExit(f"bad --real-long {args.real_long}: its rows ({real.length}) pass --max-positions {maxpos}")
@@ -466,7 +473,7 @@ def main(argv=None):
         if real.due(step):  # a real long row: a cache without gradient, the tail trained on it
             L, fn = real.length, "real"
             if fn not in steps_fns:
-                steps_fns[fn] = make_long_step(cfg, opt)
+                steps_fns[fn] = make_long_step(cfg, opt, args.real_long_prefix_kv_grad)
             batch = make_long_batch(step, args.seed, tok, args, real)
         else:
             fn = L

@@ -161,3 +161,33 @@ def test_long_rows_can_hold_the_most_distractors(monkeypatch):
     assert any(kw.get("n_keys", 64) < 64 or kw.get("n_docs", 24) < 24 for _, kw in seen)
     with pytest.raises(SystemExit, match="most-distractors"):
         tt.check_data_flags(tt.build_parser().parse_args(base + ["--real-long-most-distractors", "2"]))
+
+
+def test_prefix_kv_gradient_keeps_the_loss_and_reaches_the_far_keys():
+    """--real-long-prefix-kv-grad: the same logits, and the loss's gradient now also reaches the
+    K / V projections through the prefix's keys (a loss on the prefix cache alone is no longer
+    constant in them; the rest of the prefix pass stays without gradient)."""
+    rs = RopeScaling("dynamic_yarn", factor=8.0, original_max_position_embeddings=64)
+    cfg = tiny_cfg(rope_scaling=rs)
+    params = init_params(cfg, jax.random.PRNGKey(7), jnp.float32)
+    n, tail = 128, 64
+    x0, xt, masked = _row(jax.random.PRNGKey(8), cfg, n, tail)
+    pos = jnp.arange(n, dtype=jnp.int32)[None] * 3  # far ids: the dynamic factor applies
+    w = jnp.ones((1, n), jnp.float32)
+    p = n - tail
+    args = (x0[:, :p], pos[:, :p], xt[:, p:], x0[:, p:], masked[:, p:], w[:, p:], pos[:, p:])
+    plain = RL.tail_logits(params, cfg, *args[:4], args[6])
+    with_grad = RL.tail_logits(params, cfg, *args[:4], args[6], kv_grad=True)
+    np.testing.assert_allclose(with_grad, plain, atol=1e-5, rtol=1e-5)
+    gc = jax.grad(lambda q: RL.prefix_cache(q, cfg, args[0], args[1], pos[:, -1:], True)[0].k.sum())(params)
+    assert float(jnp.abs(gc["layers"]["wk"]).sum()) > 0
+    assert float(jnp.abs(gc["layers"]["wq"]).sum()) == 0 and float(jnp.abs(gc["embed"]).sum()) == 0
+    g0 = jax.grad(lambda q: RL.long_loss(q, cfg, *args)[0])(params)
+    g1 = jax.grad(lambda q: RL.long_loss(q, cfg, *args, kv_grad=True)[0])(params)
+    assert not np.allclose(g1["layers"]["wk"], g0["layers"]["wk"])
+    np.testing.assert_allclose(g1["layers"]["wq"], g0["layers"]["wq"], atol=1e-6, rtol=1e-4)
+    step = RL.make_long_step(cfg, make_optimizer(1e-3), kv_grad=True)
+    out = step(params, make_optimizer(1e-3).init(params), *args)
+    assert np.isfinite(float(out[2]))
+    with pytest.raises(SystemExit, match="--real-long"):
+        tt.check_data_flags(tt.build_parser().parse_args(["--real-long-prefix-kv-grad"]))

@@ -8,7 +8,10 @@ trained as generation reads it: the row's first L - TAIL tokens (clean) go throu
 without gradient, which leaves every layer's keys / values (the prompt cache), and only its last
 TAIL tokens (the question and the answer, the prompt's last blocks) are trained in the two-copy
 layout on top of that cache. The logits are the whole row's two-copy logits at the tail, number
-for number (tests/test_real_long.py); the gradient leaves out the prefix's keys / values.
+for number (tests/test_real_long.py); the gradient leaves out the prefix's keys / values, or, with
+--real-long-prefix-kv-grad (stage 40), takes them through their own layer's K / V projections
+(each layer's input hidden states held constant): the far keys a question wrongly matches then
+learn to score lower, not only the query and the near keys.
 
 Every EVERY-th step is such a row (batch 1); the rows are task rows whose prompt ends inside the
 tail (the depth's needle, the question and its answer there; the far context in the cache), and
@@ -24,7 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from maskahead_jax.kernels.reference import chunking
-from maskahead_jax.model.decoder import Context, Segment, full_mask, lm_head, model_step
+from maskahead_jax.model.decoder import Context, Segment, full_mask, lm_head, model_step, project_qkv
+from maskahead_jax.model.layers import rope_tables
 from maskahead_jax.model.two_copy import two_copy_mask
 
 from .data import BLOCK, make_batch
@@ -93,27 +97,40 @@ def make_long_batch(step: int, seed: int, tok, args, spec: RealLong):
     return (x0[:, :p], pos[:, :p], xt[:, p:], x0[:, p:], masked[:, p:], w[:, p:], pos[:, p:])
 
 
-def prefix_cache(params, cfg, prefix, ppos, last_pos):
+def prefix_cache(params, cfg, prefix, ppos, last_pos, kv_grad: bool = False):
     """The clean prefix [B, P] at ids ppos through every layer, no gradient: (Context over its
     keys / values, its last position's final hidden state [B, 1, D]). An inert token at the row's
     last id last_pos [B, 1] (a later block than every prefix token: none of them reads it) makes a
-    length-dependent RoPE (dynamic_yarn) read the whole row's extent, as the tail's pass does."""
+    length-dependent RoPE (dynamic_yarn) read the whole row's extent, as the tail's pass does.
+
+    kv_grad: the keys / values are recomputed from each layer's input hidden state (held
+    constant) with the parameters, so a loss on them reaches every layer's norm and K / V
+    projections (one layer deep; the same numbers as without)."""
     sp = jax.lax.stop_gradient(params)
     b, p = prefix.shape
     toks = jnp.concatenate([prefix, jnp.full((b, 1), cfg.mask_token_id, prefix.dtype)], 1)
     pos = jnp.concatenate([ppos, last_pos], 1).astype(jnp.int32)
+    hook = (lambda layer, lp, x_in, cos, sin, kb, vb: x_in) if kv_grad else None
     out = model_step(sp, cfg, toks, pos, full_mask(pos, "block_causal", cfg.block_size),
-                     [Segment(0, cfg.num_layers, None)])
+                     [Segment(0, cfg.num_layers, None)], layer_hook=hook)
+    if kv_grad:
+        if cfg.num_dense_mlp_layers != cfg.num_layers:
+            raise ValueError("--real-long-prefix-kv-grad: a mixture-of-experts stack is not supported")
+        cos, sin = rope_tables(pos, cfg)
+        x_in = jax.lax.stop_gradient(out.k)  # [L, B, P + 1, D]: every layer's input
+        kv = jax.vmap(lambda lp, x: project_qkv(lp, x, cos, sin, cfg)[1:])(params["layers"], x_in)
+        k, v = (a[:, :, :, :p] for a in kv)
+    else:
+        k, v = (jax.lax.stop_gradient(a[:, :, :, :p]) for a in (out.k, out.v))
     valid = jnp.ones((cfg.num_layers, b, cfg.num_kv_heads, p), bool)
-    ctx = Context(jax.lax.stop_gradient(out.k[:, :, :, :p]), jax.lax.stop_gradient(out.v[:, :, :, :p]), valid)
-    return ctx, jax.lax.stop_gradient(out.hidden[:, p - 1:p])
+    return Context(k, v, valid), jax.lax.stop_gradient(out.hidden[:, p - 1:p])
 
 
-def tail_logits(params, cfg, prefix, ppos, xt, x0, tpos):
+def tail_logits(params, cfg, prefix, ppos, xt, x0, tpos, kv_grad: bool = False):
     """Logits [B, TAIL, V] of the tail's noisy copy xt [B, TAIL] in the two-copy layout over the
     prefix cache: x_t block b reads the prefix, the clean x0 blocks < b and itself; x0 reads the
     prefix and its blocks <= b (what objective.two_copy_logits computes over the whole row there)."""
-    ctx, last_h = prefix_cache(params, cfg, prefix, ppos, tpos[:, -1:])
+    ctx, last_h = prefix_cache(params, cfg, prefix, ppos, tpos[:, -1:], kv_grad)
     b, t = xt.shape
     mask = jnp.broadcast_to(jnp.asarray(two_copy_mask(t, cfg.block_size)), (b, 2 * t, 2 * t))
     pos = jnp.concatenate([tpos, tpos], 1).astype(jnp.int32)
@@ -129,12 +146,13 @@ def tail_logits(params, cfg, prefix, ppos, xt, x0, tpos):
     return lm_head(params, cfg, jnp.where(first, clean_prev, noisy_prev))
 
 
-def long_loss(params, cfg, prefix, ppos, xt, x0, masked, w, tpos):
+def long_loss(params, cfg, prefix, ppos, xt, x0, masked, w, tpos, kv_grad: bool = False):
     """(loss, accuracy) of the tail, as objective.loss_and_accuracy weighs them (the tail's first
     position has a predictor: the prefix's last)."""
-    return masked_loss(tail_logits(params, cfg, prefix, ppos, xt, x0, tpos), x0, masked, w)
+    return masked_loss(tail_logits(params, cfg, prefix, ppos, xt, x0, tpos, kv_grad), x0, masked, w)
 
 
-def make_long_step(cfg, opt):
-    """A jitted step(params, opt_state, *make_long_batch(...)) -> (params, opt_state, loss, acc)."""
-    return jitted_step(lambda params, *batch: long_loss(params, cfg, *batch), opt)
+def make_long_step(cfg, opt, kv_grad: bool = False):
+    """A jitted step(params, opt_state, *make_long_batch(...)) -> (params, opt_state, loss, acc);
+    kv_grad: the prefix's keys / values take gradient (prefix_cache)."""
+    return jitted_step(lambda params, *batch: long_loss(params, cfg, *batch, kv_grad=kv_grad), opt)

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Stages 32-39 (issue 53): long positions from short windows on the CPU, in the background.
+# Stages 32-40 (issue 53): long positions from short windows on the CPU, in the background.
 # Starts the run, or resumes it where its last checkpoint left it (the same command every time;
 # a session's end kills the process, the next session runs this again). Niced (19), so it takes
-# only the CPU time nobody else wants. docs/testbed_history.md, "Stage 32" ... "Stage 39",
+# only the CPU time nobody else wants. docs/testbed_history.md, "Stage 32" ... "Stage 40",
 # says what and why.
 #
-#   bash experiments/testbed/train_long_cpu.sh          # stage 39 (the running one): start / resume
+#   bash experiments/testbed/train_long_cpu.sh          # stage 40 (the running one): start / resume
+#   STAGE=39 bash experiments/testbed/train_long_cpu.sh # stage 39 (stage 38, long rows with the most distractors)
 #   STAGE=38 bash experiments/testbed/train_long_cpu.sh # stage 38 (stage 37, long rows weighted to multi-key)
 #   STAGE=37 bash experiments/testbed/train_long_cpu.sh # stage 37 (stage 36 plus real long rows)
 #   STAGE=36 bash experiments/testbed/train_long_cpu.sh # stage 36 (stage 35 plus hard keys)
@@ -13,9 +14,9 @@
 #   STAGE=34 bash experiments/testbed/train_long_cpu.sh # stage 34 (stage 29 under Dynamic-YaRN)
 #   STAGE=33 bash experiments/testbed/train_long_cpu.sh # stage 33 (stage 32 under static YaRN x16)
 #   STAGE=32 bash experiments/testbed/train_long_cpu.sh # stage 32 as it ran (PoSE, plain RoPE)
-#   tail -f ~/.cache/maskahead-jax/tb-dyn39/log.txt     # progress, [eval] lines
+#   tail -f ~/.cache/maskahead-jax/tb-dyn40/log.txt     # progress, [eval] lines
 #   CARRY=1 bash experiments/testbed/train_long_cpu.sh  # before a session stops: the last saved state,
-#                                                       # slim, into experiments/testbed/carry/stage39 (commit it)
+#                                                       # slim, into experiments/testbed/carry/stage40 (commit it)
 #
 # Stage 33 is stage 32's flags plus YaRN (x16 over 2048 positions: the frequencies and attention
 # temperature the export then carries in its config.json) and the long answer in the probe; its
@@ -52,9 +53,14 @@
 # the long rows: stage 38's misses at 8192 (multi-key depth 1, document QA depth 0) both answer for
 # a key / building sharing one word with the asked one, among the evaluation's 64 keys / 24 documents,
 # while a long row drew a uniform count (about half as many on average).
+# Stage 40 is stage 39 continued (from tb-dyn39/state, or stage 39's carried state) with the long
+# rows' prefix keys / values taking gradient through their own layer's K / V projections
+# (--real-long-prefix-kv-grad): stage 39's multi-key misses at 8192 depth 1 copy a far key's value,
+# and until now the far keys sat in the cache without gradient (only the query and the tail's keys
+# could learn to tell them apart).
 #
 # State (never in the work tree): $TB_LONG_DIR (default ~/.cache/maskahead-jax/ + tb-long for
-# stage 32, tb-yarn for 33, tb-dyn for 34, tb-dyn35 ... tb-dyn39 for 35 ... 39):
+# stage 32, tb-yarn for 33, tb-dyn for 34, tb-dyn35 ... tb-dyn40 for 35 ... 40):
 #   run/ckpt/          orbax checkpoints (every 10 training minutes; the two newest kept)
 #   run/metrics.jsonl  loss every 5 steps, held-out evals ({"eval": ..., "eval_L": 512|4096|8192})
 #   state/             the portable state (params.npz, opt.npz, metrics.jsonl) at every checkpoint
@@ -64,7 +70,7 @@
 # command (one argument per line) and starts nothing (stages 33, 35 and 36 still copy their start state).
 set -eu
 cd "$(dirname "$0")/../.."
-STAGE=${STAGE:-39}
+STAGE=${STAGE:-40}
 # start_from STATE [EXPORT]: a stage's first start copies the previous stage's portable state into
 # $D/state. On a new machine (nothing outside the work tree survives) it resumes this stage's
 # carried state, experiments/testbed/carry/stage$STAGE (`CARRY=1 bash ...` writes it from $D/state
@@ -91,7 +97,7 @@ case "$STAGE" in
   33) D=${TB_LONG_DIR:-$HOME/.cache/maskahead-jax/tb-yarn}
       EXTRA=(--rope-scaling yarn:16:2048 --eval-tasks passkey,multikey,longanswer --minutes 1200)
       start_from "${STAGE32_STATE:-$HOME/.cache/maskahead-jax/tb-long/state}" ;;
-  34|35|36|37|38|39) DYN=(--rope-scaling dynamic_yarn:16:2048 --seed 34 --lr 5e-5 --edge-depths 0.3
+  34|35|36|37|38|39|40) DYN=(--rope-scaling dynamic_yarn:16:2048 --seed 34 --lr 5e-5 --edge-depths 0.3
              --stages '0:512|2560|1024|2560|4096:8|2|4|2|1:0.3'
              --eval-tasks passkey,multikey,longanswer --minutes 1200) ;;&
   34) D=${TB_LONG_DIR:-$HOME/.cache/maskahead-jax/tb-dyn}  # from stage 29's export itself, no copied state
@@ -121,7 +127,14 @@ case "$STAGE" in
       PREV=${STAGE38_STATE:-$HOME/.cache/maskahead-jax/tb-dyn38/state}
       [ -f "$PREV/params.npz" ] || PREV=${STAGE38_CARRIED:-experiments/testbed/carry/stage38}
       start_from "$PREV" experiments/testbed/exports/stage35_step790 ;;
-  *) echo "STAGE must be one of 32-39, got $STAGE"; exit 1 ;;
+  40) D=${TB_LONG_DIR:-$HOME/.cache/maskahead-jax/tb-dyn40}
+      EXTRA=("${DYN[@]}" --pose-tail-blocks 24 --hard-keys 0.5 --eval-minutes 90 --export-minutes 45
+             --real-long 8192:512:3 --real-long-task-weights 0.05,0.45,0.05,0.3,0.15 --real-long-edge-depths 0.6
+             --real-long-most-distractors 0.5 --real-long-prefix-kv-grad)
+      PREV=${STAGE39_STATE:-$HOME/.cache/maskahead-jax/tb-dyn39/state}
+      [ -f "$PREV/params.npz" ] || PREV=${STAGE39_CARRIED:-experiments/testbed/carry/stage39}
+      start_from "$PREV" experiments/testbed/exports/stage35_step790 ;;
+  *) echo "STAGE must be one of 32-40, got $STAGE"; exit 1 ;;
 esac
 CMD=(nice -n 19 "$PY" experiments/train_testbed.py
   --init-from maskahead_jax/testbed --logits-shift --seed 53 --layers 6 --heads 8 --kv-heads 4 --head-dim 32
