@@ -240,6 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "norm and K / V projections, each layer's input held constant (far keys a "
                          "question wrongly matches learn to score lower; stage 40). Default: off, the "
                          "prefix cache is constant")
+    ap.add_argument("--real-long-prefix-full-grad", action="store_true",
+                    help="--real-long: the whole prefix pass takes gradient (every layer and the "
+                         "embeddings, each layer rematerialised in the backward): what the far keys are "
+                         "built from learns too, not only their last projection (stage 41). Default: off")
     ap.add_argument("--eval-lengths", default=None,
                     help="lengths of the periodic held-out probe (e.g. 512,4096,8192; default: the "
                          "stage's length capped at 512)")
@@ -250,6 +254,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--log-every", type=int, default=25,
                     help="append the running loss to --run-dir/metrics.jsonl every this many steps")
     return ap
+
+
+def prefix_grad_mode(args) -> str:
+    """How much of a real long row's prefix pass takes gradient (real_long.prefix_cache's grad)."""
+    if getattr(args, "real_long_prefix_full_grad", False):
+        return "full"
+    return "kv" if getattr(args, "real_long_prefix_kv_grad", False) else "none"
 
 
 def check_data_flags(args) -> None:
@@ -267,8 +278,11 @@ def check_data_flags(args) -> None:
     real = parse_real_long(getattr(args, "real_long", None))
     if real.length:
         data_options(row_args(args, real))  # the long rows' own mix parses too
-    elif getattr(args, "real_long_prefix_kv_grad", False):
-        raise SystemExit("--real-long-prefix-kv-grad trains the prefix of --real-long rows; pass --real-long too")
+    else:
+        for flag in ("prefix_kv_grad", "prefix_full_grad"):
+            if getattr(args, f"real_long_{flag}", False):
+                name = "--real-long-" + flag.replace("_", "-")
+                raise SystemExit(f"{name} trains the prefix of --real-long rows; pass --real-long too")
     maxpos = getattr(args, "max_positions", None) or MAX_POSITIONS
     if real.length > maxpos:
         raise SystemExit(f"bad --real-long {args.real_long}: its rows ({real.length}) pass --max-positions {maxpos}")
@@ -473,7 +487,7 @@ def main(argv=None):
         if real.due(step):  # a real long row: a cache without gradient, the tail trained on it
             L, fn = real.length, "real"
             if fn not in steps_fns:
-                steps_fns[fn] = make_long_step(cfg, opt, args.real_long_prefix_kv_grad)
+                steps_fns[fn] = make_long_step(cfg, opt, prefix_grad_mode(args))
             batch = make_long_batch(step, args.seed, tok, args, real)
         else:
             fn = L

@@ -177,17 +177,75 @@ def test_prefix_kv_gradient_keeps_the_loss_and_reaches_the_far_keys():
     p = n - tail
     args = (x0[:, :p], pos[:, :p], xt[:, p:], x0[:, p:], masked[:, p:], w[:, p:], pos[:, p:])
     plain = RL.tail_logits(params, cfg, *args[:4], args[6])
-    with_grad = RL.tail_logits(params, cfg, *args[:4], args[6], kv_grad=True)
+    with_grad = RL.tail_logits(params, cfg, *args[:4], args[6], grad="kv")
     np.testing.assert_allclose(with_grad, plain, atol=1e-5, rtol=1e-5)
-    gc = jax.grad(lambda q: RL.prefix_cache(q, cfg, args[0], args[1], pos[:, -1:], True)[0].k.sum())(params)
+    gc = jax.grad(lambda q: RL.prefix_cache(q, cfg, args[0], args[1], pos[:, -1:], "kv")[0].k.sum())(params)
     assert float(jnp.abs(gc["layers"]["wk"]).sum()) > 0
     assert float(jnp.abs(gc["layers"]["wq"]).sum()) == 0 and float(jnp.abs(gc["embed"]).sum()) == 0
     g0 = jax.grad(lambda q: RL.long_loss(q, cfg, *args)[0])(params)
-    g1 = jax.grad(lambda q: RL.long_loss(q, cfg, *args, kv_grad=True)[0])(params)
+    g1 = jax.grad(lambda q: RL.long_loss(q, cfg, *args, grad="kv")[0])(params)
     assert not np.allclose(g1["layers"]["wk"], g0["layers"]["wk"])
     np.testing.assert_allclose(g1["layers"]["wq"], g0["layers"]["wq"], atol=1e-6, rtol=1e-4)
-    step = RL.make_long_step(cfg, make_optimizer(1e-3), kv_grad=True)
+    step = RL.make_long_step(cfg, make_optimizer(1e-3), grad="kv")
     out = step(params, make_optimizer(1e-3).init(params), *args)
     assert np.isfinite(float(out[2]))
     with pytest.raises(SystemExit, match="--real-long"):
         tt.check_data_flags(tt.build_parser().parse_args(["--real-long-prefix-kv-grad"]))
+
+
+def test_full_prefix_gradient_is_the_whole_rows_two_copy_gradient(monkeypatch):
+    """--real-long-prefix-full-grad: the tail loss's gradient, every parameter, is the one of the
+    same loss on the whole row's two-copy logits (objective.two_copy_logits, the plain reference):
+    through every layer of the prefix and the embeddings; skip-wise ids under dynamic_yarn."""
+    from experiments.testbed.objective import masked_loss
+
+    rs = RopeScaling("dynamic_yarn", factor=8.0, original_max_position_embeddings=64)
+    cfg = tiny_cfg(rope_scaling=rs)
+    params = init_params(cfg, jax.random.PRNGKey(9), jnp.float32)
+    n, tail = 192, 64
+    x0, xt, masked = _row(jax.random.PRNGKey(10), cfg, n, tail)
+    pos = jnp.arange(n, dtype=jnp.int32)[None]
+    pos = jnp.concatenate([pos[:, :64], pos[:, 64:128] + 160, pos[:, 128:] + 288], 1)
+    w = jax.random.uniform(jax.random.PRNGKey(11), (1, n)) + 0.5
+    p = n - tail
+    args = (x0[:, :p], pos[:, :p], xt[:, p:], x0[:, p:], masked[:, p:], w[:, p:], pos[:, p:])
+
+    def whole(q):
+        return masked_loss(two_copy_logits(q, cfg, xt, x0, chunk=64, pos=pos)[:, p:], x0[:, p:], masked[:, p:], w[:, p:])[0]
+
+    monkeypatch.setattr(RL, "PREFIX_CHUNK", 64)  # two query chunks over the 128-token prefix
+    ref, g_ref = jax.value_and_grad(whole)(params)
+    loss, g = jax.value_and_grad(lambda q: RL.long_loss(q, cfg, *args, grad="full")[0])(params)
+    np.testing.assert_allclose(loss, ref, rtol=1e-5)
+    for path, a in jax.tree_util.tree_leaves_with_path(g):
+        b = g_ref
+        for k in path:
+            b = b[k.key]
+        np.testing.assert_allclose(a, b, atol=2e-5, rtol=2e-3, err_msg=jax.tree_util.keystr(path))
+    assert float(jnp.abs(g["embed"]).sum()) > 0 and float(jnp.abs(g["layers"]["wq"]).sum()) > 0
+    # the same logits as the pass without gradient
+    plain = RL.tail_logits(params, cfg, *args[:4], args[6])
+    full = RL.tail_logits(params, cfg, *args[:4], args[6], grad="full")
+    np.testing.assert_allclose(full, plain, atol=2e-5, rtol=2e-5)
+    with pytest.raises(ValueError, match="grad must be"):
+        RL.prefix_cache(params, cfg, args[0], args[1], pos[:, -1:], "deep")
+    with pytest.raises(SystemExit, match="--real-long-prefix-full-grad"):
+        tt.check_data_flags(tt.build_parser().parse_args(["--real-long-prefix-full-grad"]))
+    assert tt.prefix_grad_mode(tt.build_parser().parse_args(["--real-long-prefix-full-grad"])) == "full"
+
+
+def test_long_step_benchmark_prints_a_json_line(capsys):
+    """experiments/testbed/bench_long_step.py: one mode's line (a child process's work, run here
+    in-process on the shipped testbed at a small length); a bad mode is refused by name."""
+    import json
+    import os
+
+    from experiments.testbed import bench_long_step as B
+
+    model = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "maskahead_jax", "testbed")
+    B.main(["--one", "--model", model, "--modes", "full", "--length", "512", "--tail", "128", "--steps", "1"])
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert row["mode"] == "full" and (row["length"], row["tail"]) == (512, 128)
+    assert row["step_s"] > 0 and row["peak_rss_gb"] > 0
+    with pytest.raises(SystemExit, match="--modes"):
+        B.main(["--model", model, "--modes", "kv,deep"])

@@ -26,9 +26,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maskahead_jax.kernels.reference import chunking
-from maskahead_jax.model.decoder import Context, Segment, full_mask, lm_head, model_step, project_qkv
-from maskahead_jax.model.layers import rope_tables
+from maskahead_jax.kernels.reference import NEG_INF, chunking
+from maskahead_jax.model.decoder import (Context, Segment, embed, full_mask, lm_head, model_step,
+                                         output_projection, project_qkv)
+from maskahead_jax.model.layers import rms_norm, rope_tables, swiglu
 from maskahead_jax.model.two_copy import two_copy_mask
 
 from .data import BLOCK, make_batch
@@ -97,25 +98,71 @@ def make_long_batch(step: int, seed: int, tok, args, spec: RealLong):
     return (x0[:, :p], pos[:, :p], xt[:, p:], x0[:, p:], masked[:, p:], w[:, p:], pos[:, p:])
 
 
-def prefix_cache(params, cfg, prefix, ppos, last_pos, kv_grad: bool = False):
-    """The clean prefix [B, P] at ids ppos through every layer, no gradient: (Context over its
-    keys / values, its last position's final hidden state [B, 1, D]). An inert token at the row's
-    last id last_pos [B, 1] (a later block than every prefix token: none of them reads it) makes a
+GRAD_MODES = ("none", "kv", "full")
+PREFIX_CHUNK = 512  # query rows a softmax of the prefix pass with gradient ("full") takes at once
+
+
+def prefix_attention(q, k, v, blocks, chunk: int):
+    """Block-causal attention of the clean prefix, differentiable: q [B, Hkv, G, P, Dh], k / v
+    [B, Hkv, P, Dh], blocks [B, P] each token's block (its id // block size, as full_mask has it)
+    -> [B, Hkv, G, P, Dh]. Query rows in chunks of `chunk` (a multiple of the block), each chunk
+    one softmax over the keys up to its end, so no [P, P] array is built whole (the library's
+    chunked path is a fori_loop, which has no reverse mode)."""
+    b, hk, g, p, d = q.shape
+    scale = 1.0 / jnp.sqrt(jnp.float32(d))
+    outs = []
+    for a in range(0, p, chunk):
+        e = min(a + chunk, p)
+        lg = jnp.einsum("bhgtd,bhsd->bhgts", q[..., a:e, :], k[..., :e, :],
+                        preferred_element_type=jnp.float32) * scale
+        ok = blocks[:, None, None, None, :e] <= blocks[:, None, None, a:e, None]
+        w = jax.nn.softmax(jnp.where(ok, lg, NEG_INF), axis=-1)
+        outs.append(jnp.einsum("bhgts,bhsd->bhgtd", w.astype(v.dtype), v[..., :e, :],
+                               preferred_element_type=jnp.float32))
+    return jnp.concatenate(outs, axis=3).astype(q.dtype)
+
+
+def _prefix_with_grad(params, cfg, prefix, ppos, cos, sin, chunk: int):
+    """The clean prefix [B, P] through every layer with gradient (each layer rematerialised in the
+    backward, so only its input is kept): (final hidden [B, P, D], K, V [L, B, Hkv, P, Dh])."""
+    blocks = ppos.astype(jnp.int32) // cfg.block_size
+
+    def layer(x, lp):
+        q, k, v = project_qkv(lp, x, cos, sin, cfg)
+        x = x + output_projection(lp, prefix_attention(q, k, v, blocks, chunk), cfg)
+        return x + swiglu(lp["mlp"], rms_norm(x, lp["mlp_norm"], cfg.rms_eps)), (k, v)
+
+    x, (k, v) = jax.lax.scan(jax.checkpoint(layer), embed(params, prefix), params["layers"])
+    return rms_norm(x, params["final_norm"], cfg.rms_eps), k, v
+
+
+def prefix_cache(params, cfg, prefix, ppos, last_pos, grad: str = "none"):
+    """The clean prefix [B, P] at ids ppos through every layer: (Context over its keys / values,
+    its last position's final hidden state [B, 1, D]). An inert token at the row's last id
+    last_pos [B, 1] (a later block than every prefix token: none of them reads it) makes a
     length-dependent RoPE (dynamic_yarn) read the whole row's extent, as the tail's pass does.
 
-    kv_grad: the keys / values are recomputed from each layer's input hidden state (held
-    constant) with the parameters, so a loss on them reaches every layer's norm and K / V
-    projections (one layer deep; the same numbers as without)."""
-    sp = jax.lax.stop_gradient(params)
+    grad (the same numbers in each): "none", the pass takes no gradient; "kv", the keys / values
+    are recomputed from each layer's input hidden state (held constant) with the parameters, so a
+    loss on them reaches every layer's norm and K / V projections (one layer deep; stage 40);
+    "full", the whole pass takes gradient (every layer, the embeddings; ~2-3x the pass's cost)."""
+    if grad not in GRAD_MODES:
+        raise ValueError(f"grad must be one of {GRAD_MODES}, got {grad!r}")
+    if grad != "none" and cfg.num_dense_mlp_layers != cfg.num_layers:
+        raise ValueError("a prefix with gradient: a mixture-of-experts stack is not supported")
     b, p = prefix.shape
-    toks = jnp.concatenate([prefix, jnp.full((b, 1), cfg.mask_token_id, prefix.dtype)], 1)
     pos = jnp.concatenate([ppos, last_pos], 1).astype(jnp.int32)
-    hook = (lambda layer, lp, x_in, cos, sin, kb, vb: x_in) if kv_grad else None
+    if grad == "full":
+        cos, sin = rope_tables(pos, cfg)  # the row's extent (dynamic_yarn), then the prefix's rows
+        h, k, v = _prefix_with_grad(params, cfg, prefix, ppos, cos[:, :p], sin[:, :p], PREFIX_CHUNK)
+        valid = jnp.ones((cfg.num_layers, b, cfg.num_kv_heads, p), bool)
+        return Context(k, v, valid), h[:, p - 1:p]
+    sp = jax.lax.stop_gradient(params)
+    toks = jnp.concatenate([prefix, jnp.full((b, 1), cfg.mask_token_id, prefix.dtype)], 1)
+    hook = (lambda layer, lp, x_in, cos, sin, kb, vb: x_in) if grad == "kv" else None
     out = model_step(sp, cfg, toks, pos, full_mask(pos, "block_causal", cfg.block_size),
                      [Segment(0, cfg.num_layers, None)], layer_hook=hook)
-    if kv_grad:
-        if cfg.num_dense_mlp_layers != cfg.num_layers:
-            raise ValueError("--real-long-prefix-kv-grad: a mixture-of-experts stack is not supported")
+    if grad == "kv":
         cos, sin = rope_tables(pos, cfg)
         x_in = jax.lax.stop_gradient(out.k)  # [L, B, P + 1, D]: every layer's input
         kv = jax.vmap(lambda lp, x: project_qkv(lp, x, cos, sin, cfg)[1:])(params["layers"], x_in)
@@ -126,11 +173,11 @@ def prefix_cache(params, cfg, prefix, ppos, last_pos, kv_grad: bool = False):
     return Context(k, v, valid), jax.lax.stop_gradient(out.hidden[:, p - 1:p])
 
 
-def tail_logits(params, cfg, prefix, ppos, xt, x0, tpos, kv_grad: bool = False):
+def tail_logits(params, cfg, prefix, ppos, xt, x0, tpos, grad: str = "none"):
     """Logits [B, TAIL, V] of the tail's noisy copy xt [B, TAIL] in the two-copy layout over the
     prefix cache: x_t block b reads the prefix, the clean x0 blocks < b and itself; x0 reads the
     prefix and its blocks <= b (what objective.two_copy_logits computes over the whole row there)."""
-    ctx, last_h = prefix_cache(params, cfg, prefix, ppos, tpos[:, -1:], kv_grad)
+    ctx, last_h = prefix_cache(params, cfg, prefix, ppos, tpos[:, -1:], grad)
     b, t = xt.shape
     mask = jnp.broadcast_to(jnp.asarray(two_copy_mask(t, cfg.block_size)), (b, 2 * t, 2 * t))
     pos = jnp.concatenate([tpos, tpos], 1).astype(jnp.int32)
@@ -146,13 +193,13 @@ def tail_logits(params, cfg, prefix, ppos, xt, x0, tpos, kv_grad: bool = False):
     return lm_head(params, cfg, jnp.where(first, clean_prev, noisy_prev))
 
 
-def long_loss(params, cfg, prefix, ppos, xt, x0, masked, w, tpos, kv_grad: bool = False):
+def long_loss(params, cfg, prefix, ppos, xt, x0, masked, w, tpos, grad: str = "none"):
     """(loss, accuracy) of the tail, as objective.loss_and_accuracy weighs them (the tail's first
     position has a predictor: the prefix's last)."""
-    return masked_loss(tail_logits(params, cfg, prefix, ppos, xt, x0, tpos, kv_grad), x0, masked, w)
+    return masked_loss(tail_logits(params, cfg, prefix, ppos, xt, x0, tpos, grad), x0, masked, w)
 
 
-def make_long_step(cfg, opt, kv_grad: bool = False):
+def make_long_step(cfg, opt, grad: str = "none"):
     """A jitted step(params, opt_state, *make_long_batch(...)) -> (params, opt_state, loss, acc);
-    kv_grad: the prefix's keys / values take gradient (prefix_cache)."""
-    return jitted_step(lambda params, *batch: long_loss(params, cfg, *batch, kv_grad=kv_grad), opt)
+    grad: how much of the prefix pass takes gradient (prefix_cache)."""
+    return jitted_step(lambda params, *batch: long_loss(params, cfg, *batch, grad=grad), opt)

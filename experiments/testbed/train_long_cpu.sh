@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Stages 32-40 (issue 53): long positions from short windows on the CPU, in the background.
+# Stages 32-41 (issue 53): long positions from short windows on the CPU, in the background.
 # Starts the run, or resumes it where its last checkpoint left it (the same command every time;
 # a session's end kills the process, the next session runs this again). Niced (19), so it takes
 # only the CPU time nobody else wants. docs/testbed_history.md, "Stage 32" ... "Stage 40",
 # says what and why.
 #
 #   bash experiments/testbed/train_long_cpu.sh          # stage 40 (the running one): start / resume
+#   STAGE=41 bash experiments/testbed/train_long_cpu.sh # stage 41 (stage 40, the whole prefix with gradient)
 #   STAGE=39 bash experiments/testbed/train_long_cpu.sh # stage 39 (stage 38, long rows with the most distractors)
 #   STAGE=38 bash experiments/testbed/train_long_cpu.sh # stage 38 (stage 37, long rows weighted to multi-key)
 #   STAGE=37 bash experiments/testbed/train_long_cpu.sh # stage 37 (stage 36 plus real long rows)
@@ -58,9 +59,13 @@
 # (--real-long-prefix-kv-grad): stage 39's multi-key misses at 8192 depth 1 copy a far key's value,
 # and until now the far keys sat in the cache without gradient (only the query and the tail's keys
 # could learn to tell them apart).
+# Stage 41 is stage 40 continued (from tb-dyn40/state, or stage 40's carried state) with the whole
+# prefix pass taking gradient (--real-long-prefix-full-grad; each layer rematerialised in the
+# backward: a long step ~25 s and 7.3 GB against stage 40's ~14 s and 5.6 GB): stage 40 let only
+# each layer's last K / V projection of a far key learn, not what that key is built from.
 #
 # State (never in the work tree): $TB_LONG_DIR (default ~/.cache/maskahead-jax/ + tb-long for
-# stage 32, tb-yarn for 33, tb-dyn for 34, tb-dyn35 ... tb-dyn40 for 35 ... 40):
+# stage 32, tb-yarn for 33, tb-dyn for 34, tb-dyn35 ... tb-dyn41 for 35 ... 41):
 #   run/ckpt/          orbax checkpoints (every 10 training minutes; the two newest kept)
 #   run/metrics.jsonl  loss every 5 steps, held-out evals ({"eval": ..., "eval_L": 512|4096|8192})
 #   state/             the portable state (params.npz, opt.npz, metrics.jsonl) at every checkpoint
@@ -97,7 +102,7 @@ case "$STAGE" in
   33) D=${TB_LONG_DIR:-$HOME/.cache/maskahead-jax/tb-yarn}
       EXTRA=(--rope-scaling yarn:16:2048 --eval-tasks passkey,multikey,longanswer --minutes 1200)
       start_from "${STAGE32_STATE:-$HOME/.cache/maskahead-jax/tb-long/state}" ;;
-  34|35|36|37|38|39|40) DYN=(--rope-scaling dynamic_yarn:16:2048 --seed 34 --lr 5e-5 --edge-depths 0.3
+  34|35|36|37|38|39|40|41) DYN=(--rope-scaling dynamic_yarn:16:2048 --seed 34 --lr 5e-5 --edge-depths 0.3
              --stages '0:512|2560|1024|2560|4096:8|2|4|2|1:0.3'
              --eval-tasks passkey,multikey,longanswer --minutes 1200) ;;&
   34) D=${TB_LONG_DIR:-$HOME/.cache/maskahead-jax/tb-dyn}  # from stage 29's export itself, no copied state
@@ -134,7 +139,14 @@ case "$STAGE" in
       PREV=${STAGE39_STATE:-$HOME/.cache/maskahead-jax/tb-dyn39/state}
       [ -f "$PREV/params.npz" ] || PREV=${STAGE39_CARRIED:-experiments/testbed/carry/stage39}
       start_from "$PREV" experiments/testbed/exports/stage35_step790 ;;
-  *) echo "STAGE must be one of 32-40, got $STAGE"; exit 1 ;;
+  41) D=${TB_LONG_DIR:-$HOME/.cache/maskahead-jax/tb-dyn41}
+      EXTRA=("${DYN[@]}" --pose-tail-blocks 24 --hard-keys 0.5 --eval-minutes 90 --export-minutes 45
+             --real-long 8192:512:3 --real-long-task-weights 0.05,0.45,0.05,0.3,0.15 --real-long-edge-depths 0.6
+             --real-long-most-distractors 0.5 --real-long-prefix-full-grad)
+      PREV=${STAGE40_STATE:-$HOME/.cache/maskahead-jax/tb-dyn40/state}
+      [ -f "$PREV/params.npz" ] || PREV=${STAGE40_CARRIED:-experiments/testbed/carry/stage40}
+      start_from "$PREV" experiments/testbed/exports/stage35_step790 ;;
+  *) echo "STAGE must be one of 32-41, got $STAGE"; exit 1 ;;
 esac
 CMD=(nice -n 19 "$PY" experiments/train_testbed.py
   --init-from maskahead_jax/testbed --logits-shift --seed 53 --layers 6 --heads 8 --kv-heads 4 --head-dim 32
