@@ -2,11 +2,11 @@
 # Stages 32-41 (issue 53): long positions from short windows on the CPU, in the background.
 # Starts the run, or resumes it where its last checkpoint left it (the same command every time;
 # a session's end kills the process, the next session runs this again). Niced (19), so it takes
-# only the CPU time nobody else wants. docs/testbed_history.md, "Stage 32" ... "Stage 40",
+# only the CPU time nobody else wants. docs/testbed_history.md, "Stage 32" ... "Stage 41",
 # says what and why.
 #
-#   bash experiments/testbed/train_long_cpu.sh          # stage 40 (the running one): start / resume
-#   STAGE=41 bash experiments/testbed/train_long_cpu.sh # stage 41 (stage 40, the whole prefix with gradient)
+#   bash experiments/testbed/train_long_cpu.sh          # stage 41 (the running one): start / resume
+#   STAGE=40 bash experiments/testbed/train_long_cpu.sh # stage 40 (stage 39, the prefix K / V with gradient)
 #   STAGE=39 bash experiments/testbed/train_long_cpu.sh # stage 39 (stage 38, long rows with the most distractors)
 #   STAGE=38 bash experiments/testbed/train_long_cpu.sh # stage 38 (stage 37, long rows weighted to multi-key)
 #   STAGE=37 bash experiments/testbed/train_long_cpu.sh # stage 37 (stage 36 plus real long rows)
@@ -15,9 +15,9 @@
 #   STAGE=34 bash experiments/testbed/train_long_cpu.sh # stage 34 (stage 29 under Dynamic-YaRN)
 #   STAGE=33 bash experiments/testbed/train_long_cpu.sh # stage 33 (stage 32 under static YaRN x16)
 #   STAGE=32 bash experiments/testbed/train_long_cpu.sh # stage 32 as it ran (PoSE, plain RoPE)
-#   tail -f ~/.cache/maskahead-jax/tb-dyn40/log.txt     # progress, [eval] lines
+#   tail -f ~/.cache/maskahead-jax/tb-dyn41/log.txt     # progress, [eval] lines
 #   CARRY=1 bash experiments/testbed/train_long_cpu.sh  # before a session stops: the last saved state,
-#                                                       # slim, into experiments/testbed/carry/stage40 (commit it)
+#                                                       # slim, into experiments/testbed/carry/stage41 (commit it)
 #
 # Stage 33 is stage 32's flags plus YaRN (x16 over 2048 positions: the frequencies and attention
 # temperature the export then carries in its config.json) and the long answer in the probe; its
@@ -75,7 +75,7 @@
 # command (one argument per line) and starts nothing (stages 33, 35 and 36 still copy their start state).
 set -eu
 cd "$(dirname "$0")/../.."
-STAGE=${STAGE:-40}
+STAGE=${STAGE:-41}
 # start_from STATE [EXPORT]: a stage's first start copies the previous stage's portable state into
 # $D/state. On a new machine (nothing outside the work tree survives) it resumes this stage's
 # carried state, experiments/testbed/carry/stage$STAGE (`CARRY=1 bash ...` writes it from $D/state
