@@ -125,24 +125,21 @@ case "$STAGE" in
       PREV=${STAGE37_STATE:-$HOME/.cache/maskahead-jax/tb-dyn37/state}
       [ -f "$PREV/params.npz" ] || PREV=${STAGE37_CARRIED:-experiments/testbed/carry/stage37}
       start_from "$PREV" experiments/testbed/exports/stage35_step790 ;;
+  39|40|41) ROWS39=(--pose-tail-blocks 24 --hard-keys 0.5 --eval-minutes 90 --export-minutes 45 --real-long 8192:512:3
+             --real-long-task-weights 0.05,0.45,0.05,0.3,0.15 --real-long-edge-depths 0.6
+             --real-long-most-distractors 0.5) ;;&  # stage 39's flags, which 40 and 41 extend
   39) D=${TB_LONG_DIR:-$HOME/.cache/maskahead-jax/tb-dyn39}
-      EXTRA=("${DYN[@]}" --pose-tail-blocks 24 --hard-keys 0.5 --eval-minutes 90 --export-minutes 45
-             --real-long 8192:512:3 --real-long-task-weights 0.05,0.45,0.05,0.3,0.15 --real-long-edge-depths 0.6
-             --real-long-most-distractors 0.5)
+      EXTRA=("${DYN[@]}" "${ROWS39[@]}")
       PREV=${STAGE38_STATE:-$HOME/.cache/maskahead-jax/tb-dyn38/state}
       [ -f "$PREV/params.npz" ] || PREV=${STAGE38_CARRIED:-experiments/testbed/carry/stage38}
       start_from "$PREV" experiments/testbed/exports/stage35_step790 ;;
   40) D=${TB_LONG_DIR:-$HOME/.cache/maskahead-jax/tb-dyn40}
-      EXTRA=("${DYN[@]}" --pose-tail-blocks 24 --hard-keys 0.5 --eval-minutes 90 --export-minutes 45
-             --real-long 8192:512:3 --real-long-task-weights 0.05,0.45,0.05,0.3,0.15 --real-long-edge-depths 0.6
-             --real-long-most-distractors 0.5 --real-long-prefix-kv-grad)
+      EXTRA=("${DYN[@]}" "${ROWS39[@]}" --real-long-prefix-kv-grad)
       PREV=${STAGE39_STATE:-$HOME/.cache/maskahead-jax/tb-dyn39/state}
       [ -f "$PREV/params.npz" ] || PREV=${STAGE39_CARRIED:-experiments/testbed/carry/stage39}
       start_from "$PREV" experiments/testbed/exports/stage35_step790 ;;
   41) D=${TB_LONG_DIR:-$HOME/.cache/maskahead-jax/tb-dyn41}
-      EXTRA=("${DYN[@]}" --pose-tail-blocks 24 --hard-keys 0.5 --eval-minutes 90 --export-minutes 45
-             --real-long 8192:512:3 --real-long-task-weights 0.05,0.45,0.05,0.3,0.15 --real-long-edge-depths 0.6
-             --real-long-most-distractors 0.5 --real-long-prefix-full-grad)
+      EXTRA=("${DYN[@]}" "${ROWS39[@]}" --real-long-prefix-full-grad)
       PREV=${STAGE40_STATE:-$HOME/.cache/maskahead-jax/tb-dyn40/state}
       [ -f "$PREV/params.npz" ] || PREV=${STAGE40_CARRIED:-experiments/testbed/carry/stage40}
       start_from "$PREV" experiments/testbed/exports/stage35_step790 ;;
