@@ -231,6 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="--real-long: the long rows' own --task-weights (default: --task-weights)")
     ap.add_argument("--real-long-edge-depths", default=None,
                     help="--real-long: the long rows' own --edge-depths (default: --edge-depths)")
+    ap.add_argument("--real-long-hard-keys", default=None,
+                    help="--real-long: the long rows' own --hard-keys (the share of multi-key rows with "
+                         "1-4 keys sharing one word with the asked one; default: --hard-keys)")
     ap.add_argument("--real-long-most-distractors", default=None,
                     help="--real-long: the share of long multi-key / two-hop / document-QA rows holding "
                          "the most keys / decoys / documents their length allows, as the evaluation at "

@@ -111,19 +111,21 @@ def test_real_long_flag_is_checked_and_scheduled():
 
 
 def test_long_rows_take_their_own_task_mix():
-    """--real-long-task-weights / --real-long-edge-depths set the long rows' mix (the short rows
-    keep theirs); a malformed one fails at startup."""
+    """--real-long-task-weights / --real-long-edge-depths / --real-long-hard-keys set the long rows'
+    mix (the short rows keep theirs); a malformed one fails at startup."""
     from experiments.testbed.data import data_options
 
     spec = RL.parse_real_long("2048:512:4")
     base = ["--task-weights", "0.1,0.3,0.15,0.25,0.2", "--edge-depths", "0.3", "--real-long", "2048:512:4"]
-    args = tt.build_parser().parse_args(base + ["--real-long-task-weights", "0,1,0,0,0", "--real-long-edge-depths", "1"])
+    args = tt.build_parser().parse_args(base + ["--real-long-task-weights", "0,1,0,0,0", "--real-long-edge-depths", "1",
+                                                "--real-long-hard-keys", "1"])
     tt.check_data_flags(args)
     own, short = data_options(RL.row_args(args, spec)), data_options(args)
-    assert own["task_weights"] == (0, 1, 0, 0, 0) and own["edge_depths"] == 1.0
-    assert short["edge_depths"] == 0.3 and short["task_weights"][0] == 0.1
+    assert own["task_weights"] == (0, 1, 0, 0, 0) and own["edge_depths"] == 1.0 and own["hard_keys"] == 1.0
+    assert short["edge_depths"] == 0.3 and short["task_weights"][0] == 0.1 and short["hard_keys"] == 0.0
     plain = data_options(RL.row_args(tt.build_parser().parse_args(base), spec))
     assert plain["task_weights"] == short["task_weights"] and plain["edge_depths"] == 0.3
+    assert plain["hard_keys"] == 0.0
     tok = T.build_tokenizer()
     for step in range(4):  # every long row is then multi-key with its needle at an end
         x0 = RL.make_long_batch(step, 3, tok, args, spec)[3]
@@ -131,6 +133,8 @@ def test_long_rows_take_their_own_task_mix():
         assert "special magic number" in text and "pass key" not in text
     with pytest.raises(SystemExit, match="task-weights"):
         tt.check_data_flags(tt.build_parser().parse_args(base + ["--real-long-task-weights", "1,2"]))
+    with pytest.raises(SystemExit, match="hard-keys"):
+        tt.check_data_flags(tt.build_parser().parse_args(base + ["--real-long-hard-keys", "1.5"]))
 
 
 def test_long_rows_can_hold_the_most_distractors(monkeypatch):

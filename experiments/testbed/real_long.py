@@ -72,14 +72,17 @@ def parse_real_long(text) -> RealLong:
 def row_args(args, spec: RealLong):
     """The data flags of a real long row: task rows only (no copy / MQAR-only / packed rows) whose
     prompt ends inside the tail: its share of the row is U((L - 0.9 TAIL) / L, (L - 0.3 TAIL) / L).
-    --real-long-task-weights / --real-long-edge-depths, when given, replace --task-weights /
-    --edge-depths for these rows (the long rows' own mix; stage 38); --real-long-most-distractors
+    --real-long-task-weights / --real-long-edge-depths / --real-long-hard-keys, when given, replace
+    --task-weights / --edge-depths / --hard-keys for these rows (the long rows' own mix; stage 38);
+    --real-long-most-distractors
     gives that share of them the most keys / documents / decoys their length allows (stage 39)."""
     a = copy.copy(args)
     if getattr(args, "real_long_task_weights", None):
         a.task_weights = args.real_long_task_weights
     if getattr(args, "real_long_edge_depths", None) is not None:
         a.edge_depths = args.real_long_edge_depths
+    if getattr(args, "real_long_hard_keys", None) is not None:
+        a.hard_keys = args.real_long_hard_keys
     a.most_distractors = getattr(args, "real_long_most_distractors", None)
     lo, hi = (spec.length - 0.9 * spec.tail) / spec.length, (spec.length - 0.3 * spec.tail) / spec.length
     a.prompt_frac = f"{lo:.6f}:{hi:.6f}"
