@@ -148,7 +148,8 @@ def prefix_cache(params, cfg, prefix, ppos, last_pos, grad: str = "none"):
     grad (the same numbers in each): "none", the pass takes no gradient; "kv", the keys / values
     are recomputed from each layer's input hidden state (held constant) with the parameters, so a
     loss on them reaches every layer's norm and K / V projections (one layer deep; stage 40);
-    "full", the whole pass takes gradient (every layer, the embeddings; ~2-3x the pass's cost)."""
+    "full", the whole pass takes gradient (every layer, the embeddings; the 8192-token long step
+    ~2x stage 40's, experiments/testbed/bench_long_step.py)."""
     if grad not in GRAD_MODES:
         raise ValueError(f"grad must be one of {GRAD_MODES}, got {grad!r}")
     if grad != "none" and cfg.num_dense_mlp_layers != cfg.num_layers:
