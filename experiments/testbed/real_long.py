@@ -27,9 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from maskahead_jax.kernels.reference import NEG_INF, chunking
-from maskahead_jax.model.decoder import (Context, Segment, embed, full_mask, lm_head, model_step,
-                                         output_projection, project_qkv)
-from maskahead_jax.model.layers import rms_norm, rope_tables, swiglu
+from maskahead_jax.model.decoder import (Context, Segment, dense_layer, embed, full_mask, lm_head,
+                                         model_step, project_qkv)
+from maskahead_jax.model.layers import rms_norm, rope_tables
 from maskahead_jax.model.two_copy import two_copy_mask
 
 from .data import BLOCK, make_batch
@@ -131,9 +131,8 @@ def _prefix_with_grad(params, cfg, prefix, ppos, cos, sin, chunk: int):
     blocks = ppos.astype(jnp.int32) // cfg.block_size
 
     def layer(x, lp):
-        q, k, v = project_qkv(lp, x, cos, sin, cfg)
-        x = x + output_projection(lp, prefix_attention(q, k, v, blocks, chunk), cfg)
-        return x + swiglu(lp["mlp"], rms_norm(x, lp["mlp_norm"], cfg.rms_eps)), (k, v)
+        x, k, v = dense_layer(lp, x, cos, sin, cfg, lambda *qkv: prefix_attention(*qkv, blocks, chunk))
+        return x, (k, v)
 
     x, (k, v) = jax.lax.scan(jax.checkpoint(layer), embed(params, prefix), params["layers"])
     return rms_norm(x, params["final_norm"], cfg.rms_eps), k, v

@@ -108,6 +108,15 @@ def output_projection(p, out, cfg: ModelConfig):
     return jnp.einsum("bthk,hkd->btd", out, p["wo"])
 
 
+def dense_layer(p, x, cos, sin, cfg: ModelConfig, attention):
+    """One dense-MLP layer around a given attention(q, k, v) -> [B, Hkv, G, T, Dh]: for passes
+    with their own attention pattern (two-copy training, a long prefix with gradient).
+    Returns (the layer's output [B, T, D], its keys / values [B, Hkv, T, Dh] after RoPE)."""
+    q, k, v = project_qkv(p, x, cos, sin, cfg)
+    x = x + output_projection(p, attention(q, k, v), cfg)
+    return x + swiglu(p["mlp"], rms_norm(x, p["mlp_norm"], cfg.rms_eps)), k, v
+
+
 def attention_sublayer(p, x, cos, sin, cfg: ModelConfig, ctx, blk_mask, stat_rows=None, pool: str = "mean"):
     """The attention sub-layer of one layer (pre-norm, before the residual add).
 

@@ -17,8 +17,8 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..kernels.reference import NEG_INF
-from .decoder import embed, output_projection, project_qkv
-from .layers import rms_norm, rope_tables, swiglu
+from .decoder import dense_layer, embed
+from .layers import rms_norm, rope_tables
 
 
 def two_copy_mask(L: int, block: int) -> np.ndarray:
@@ -96,9 +96,8 @@ def two_copy_hidden(params, cfg: ModelConfig, xt, x0, chunk: int = 512, position
     chunk = min(chunk, L)
 
     def layer(x, p):
-        q, k, v = project_qkv(p, x, cos, sin, cfg)
-        x = x + output_projection(p, two_copy_attention(q, k, v, L, cfg.block_size, chunk), cfg)
-        return x + swiglu(p["mlp"], rms_norm(x, p["mlp_norm"], cfg.rms_eps)), None
+        attention = lambda q, k, v: two_copy_attention(q, k, v, L, cfg.block_size, chunk)
+        return dense_layer(p, x, cos, sin, cfg, attention)[0], None
 
     x, _ = jax.lax.scan(layer, embed(params, jnp.concatenate([xt, x0], axis=1)), params["layers"])
     return rms_norm(x, params["final_norm"], cfg.rms_eps)
