@@ -803,12 +803,13 @@ def test_eval_plan_flags():
 
 
 def test_long_cpu_script_command_parses(tmp_path):
-    """experiments/testbed/train_long_cpu.sh (stages 32-41; DRY_RUN=1 prints the command) runs
+    """experiments/testbed/train_long_cpu.sh (stages 32-42; DRY_RUN=1 prints the command) runs
     train_testbed.py with flags that parse and pass the startup checks: skip-wise positions to
     32768, an export that takes 32768-token prompts, the held-out probe at 4096 and 8192; stage 33
     adds YaRN x16 over 2048 and the long answer to the probe, stage 34 Dynamic-YaRN x16 over 2048,
     stage 35 stage 34's flags plus the answer's tail, stage 36 stage 35's plus hard keys, stage 37
-    stage 36's plus real long rows, stage 38 stage 37's with the long rows' own mix, 39 the most distractors, 40 the prefix K / V with gradient, 41 the whole prefix pass with gradient, each
+    stage 36's plus real long rows, stage 38 stage 37's with the long rows' own mix, 39 the most distractors, 40 the prefix K / V with gradient, 41 the whole prefix pass with gradient, 42 more
+    long rows in the layout multi-key misses, each
     from the previous stage's state or, on a machine without it, the stage's carried state in the
     work tree, else the previous stage's committed export."""
     import subprocess
@@ -818,7 +819,7 @@ def test_long_cpu_script_command_parses(tmp_path):
     s32.mkdir()
     (s32 / "params.npz").write_bytes(b"")  # stage 33 copies stage 32's state on its first start
     parsed = {}
-    for stage in ("32", "33", "34", "35", "36", "37", "38", "39", "40", "41"):
+    for stage in ("32", "33", "34", "35", "36", "37", "38", "39", "40", "41", "42"):
         env = dict(os.environ, DRY_RUN="1", STAGE=stage, TB_LONG_DIR=str(tmp_path / f"tb{stage}"),
                    STAGE32_STATE=str(s32), STAGE34_STATE=str(tmp_path / "none"),
                    STAGE35_STATE=str(tmp_path / "none"), STAGE36_STATE=str(tmp_path / "none"),
@@ -826,7 +827,8 @@ def test_long_cpu_script_command_parses(tmp_path):
                    STAGE37_CARRIED=str(tmp_path / "none"), STAGE38_STATE=str(tmp_path / "none"),
                    STAGE38_CARRIED=str(tmp_path / "none"), STAGE39_STATE=str(tmp_path / "none"),
                    STAGE39_CARRIED=str(tmp_path / "none"), STAGE40_STATE=str(tmp_path / "none"),
-                   STAGE40_CARRIED=str(tmp_path / "none"), CARRIED=str(tmp_path / "no_carry"))
+                   STAGE40_CARRIED=str(tmp_path / "none"), STAGE41_STATE=str(tmp_path / "none"),
+                   STAGE41_CARRIED=str(tmp_path / "none"), CARRIED=str(tmp_path / "no_carry"))
         out = subprocess.run(["bash", script], env=env, capture_output=True, text=True, check=True).stdout
         argv = out.splitlines()
         assert argv[:3] == ["nice", "-n", "19"] and argv[4] == "experiments/train_testbed.py"
@@ -840,7 +842,7 @@ def test_long_cpu_script_command_parses(tmp_path):
             assert (cfg.rope_scaling.type, cfg.rope_scaling.factor) == ("yarn", 16.0)
             assert "longanswer" in tt.eval_plan(args)[1]
             assert (tmp_path / "tb33" / "state" / "params.npz").exists()
-        elif stage in ("34", "35", "36", "37", "38", "39", "40", "41"):  # Dynamic-YaRN x16 over 2048, positions to 33280
+        elif stage in ("34", "35", "36", "37", "38", "39", "40", "41", "42"):  # Dynamic-YaRN x16 over 2048, positions to 33280
             s = cfg.rope_scaling
             assert (s.type, s.factor, s.original_max_position_embeddings) == ("dynamic_yarn", 16.0, 2048)
             assert cfg.max_position_embeddings == 33280 and "longanswer" in tt.eval_plan(args)[1]
@@ -856,9 +858,11 @@ def test_long_cpu_script_command_parses(tmp_path):
             ("37", "38", {"real_long_task_weights", "real_long_edge_depths"}, "stage35_step790"),
             ("38", "39", {"real_long_task_weights", "real_long_most_distractors"}, "stage35_step790"),
             ("39", "40", {"real_long_prefix_kv_grad"}, "stage35_step790"),
-            ("40", "41", {"real_long_prefix_kv_grad", "real_long_prefix_full_grad"}, "stage35_step790")):
+            ("40", "41", {"real_long_prefix_kv_grad", "real_long_prefix_full_grad"}, "stage35_step790"),
+            ("41", "42", {"real_long_hard_keys", "real_long_edge_depths", "real_long_task_weights"},
+             "stage35_step790")):
         a, b = vars(parsed[prev]), vars(parsed[stage])
-        same_fallback = {"init_from"} if prev in ("36", "37", "38", "39", "40") else set()  # 36-41 all fall back to stage 35's
+        same_fallback = {"init_from"} if prev in ("36", "37", "38", "39", "40", "41") else set()  # 36-42 all fall back to stage 35's
         assert {k for k in a if a[k] != b[k]} == (where - same_fallback) | flags
         # no previous state here: the previous stage's committed export
         assert b["init_from"] == f"experiments/testbed/exports/{fallback}"
@@ -866,6 +870,8 @@ def test_long_cpu_script_command_parses(tmp_path):
     assert parsed["35"].pose_tail_blocks == parsed["36"].pose_tail_blocks == 24 and parsed["36"].hard_keys == 0.5
     assert parsed["37"].real_long == "8192:512:3" and parsed["40"].real_long_prefix_kv_grad
     assert tt.prefix_grad_mode(parsed["41"]) == "full" and tt.prefix_grad_mode(parsed["40"]) == "kv"
+    assert tt.prefix_grad_mode(parsed["42"]) == "full" and float(parsed["42"].real_long_hard_keys) == 1.0
+    assert (float(parsed["42"].real_long_edge_depths), parsed["42"].real_long_task_weights) == (0.8, "0.05,0.5,0.05,0.3,0.1")
     # stage 37 on a new machine without stage 36's state: stage 36's carried state is its start
     carried36 = tmp_path / "carry36only"
     carried36.mkdir()
