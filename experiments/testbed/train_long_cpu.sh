@@ -101,6 +101,14 @@ start_from() {
     echo "stage $STAGE starts from the previous stage's state: none at $1"; exit 1
   fi
 }
+# start_after N: start_from stage N's state ($STAGE<N>_STATE, default tb-dynN/state), else its carried
+# state ($STAGE<N>_CARRIED, default carry/stageN), else stage 35's committed export (stages 37-42)
+start_after() {
+  local state="STAGE$1_STATE" carried="STAGE$1_CARRIED" prev
+  prev=${!state:-$HOME/.cache/maskahead-jax/tb-dyn$1/state}
+  [ -f "$prev/params.npz" ] || prev=${!carried:-experiments/testbed/carry/stage$1}
+  start_from "$prev" experiments/testbed/exports/stage35_step790
+}
 PY=${PYTHON:-.venv/bin/python}
 CARRIED=${CARRIED:-experiments/testbed/carry/stage$STAGE}
 case "$STAGE" in
@@ -122,39 +130,27 @@ case "$STAGE" in
   37) D=${TB_LONG_DIR:-$HOME/.cache/maskahead-jax/tb-dyn37}
       EXTRA=("${DYN[@]}" --pose-tail-blocks 24 --hard-keys 0.5 --eval-minutes 90 --export-minutes 45
              --real-long 8192:512:3)
-      PREV=${STAGE36_STATE:-$HOME/.cache/maskahead-jax/tb-dyn36/state}
-      [ -f "$PREV/params.npz" ] || PREV=${STAGE36_CARRIED:-experiments/testbed/carry/stage36}
-      start_from "$PREV" experiments/testbed/exports/stage35_step790 ;;
+      start_after 36 ;;
   38) D=${TB_LONG_DIR:-$HOME/.cache/maskahead-jax/tb-dyn38}
       EXTRA=("${DYN[@]}" --pose-tail-blocks 24 --hard-keys 0.5 --eval-minutes 90 --export-minutes 45
              --real-long 8192:512:3 --real-long-task-weights 0.05,0.55,0.1,0.15,0.15 --real-long-edge-depths 0.6)
-      PREV=${STAGE37_STATE:-$HOME/.cache/maskahead-jax/tb-dyn37/state}
-      [ -f "$PREV/params.npz" ] || PREV=${STAGE37_CARRIED:-experiments/testbed/carry/stage37}
-      start_from "$PREV" experiments/testbed/exports/stage35_step790 ;;
+      start_after 37 ;;
   39|40|41|42) ROWS39=(--pose-tail-blocks 24 --hard-keys 0.5 --eval-minutes 90 --export-minutes 45 --real-long 8192:512:3
              --real-long-most-distractors 0.5)  # stage 39's flags, which 40-42 extend, less its long rows' mix:
              MIX39=(--real-long-task-weights 0.05,0.45,0.05,0.3,0.15 --real-long-edge-depths 0.6) ;;&
   39) D=${TB_LONG_DIR:-$HOME/.cache/maskahead-jax/tb-dyn39}
       EXTRA=("${DYN[@]}" "${ROWS39[@]}" "${MIX39[@]}")
-      PREV=${STAGE38_STATE:-$HOME/.cache/maskahead-jax/tb-dyn38/state}
-      [ -f "$PREV/params.npz" ] || PREV=${STAGE38_CARRIED:-experiments/testbed/carry/stage38}
-      start_from "$PREV" experiments/testbed/exports/stage35_step790 ;;
+      start_after 38 ;;
   40) D=${TB_LONG_DIR:-$HOME/.cache/maskahead-jax/tb-dyn40}
       EXTRA=("${DYN[@]}" "${ROWS39[@]}" "${MIX39[@]}" --real-long-prefix-kv-grad)
-      PREV=${STAGE39_STATE:-$HOME/.cache/maskahead-jax/tb-dyn39/state}
-      [ -f "$PREV/params.npz" ] || PREV=${STAGE39_CARRIED:-experiments/testbed/carry/stage39}
-      start_from "$PREV" experiments/testbed/exports/stage35_step790 ;;
+      start_after 39 ;;
   41) D=${TB_LONG_DIR:-$HOME/.cache/maskahead-jax/tb-dyn41}
       EXTRA=("${DYN[@]}" "${ROWS39[@]}" "${MIX39[@]}" --real-long-prefix-full-grad)
-      PREV=${STAGE40_STATE:-$HOME/.cache/maskahead-jax/tb-dyn40/state}
-      [ -f "$PREV/params.npz" ] || PREV=${STAGE40_CARRIED:-experiments/testbed/carry/stage40}
-      start_from "$PREV" experiments/testbed/exports/stage35_step790 ;;
+      start_after 40 ;;
   42) D=${TB_LONG_DIR:-$HOME/.cache/maskahead-jax/tb-dyn42}
       EXTRA=("${DYN[@]}" "${ROWS39[@]}" --real-long-prefix-full-grad --real-long-hard-keys 1
              --real-long-edge-depths 0.8 --real-long-task-weights 0.05,0.5,0.05,0.3,0.1)
-      PREV=${STAGE41_STATE:-$HOME/.cache/maskahead-jax/tb-dyn41/state}
-      [ -f "$PREV/params.npz" ] || PREV=${STAGE41_CARRIED:-experiments/testbed/carry/stage41}
-      start_from "$PREV" experiments/testbed/exports/stage35_step790 ;;
+      start_after 41 ;;
   *) echo "STAGE must be one of 32-42, got $STAGE"; exit 1 ;;
 esac
 CMD=(nice -n 19 "$PY" experiments/train_testbed.py
